@@ -1,0 +1,1 @@
+"""Domain layer: models, batch/shard state machine, validation, planning (no torch here)."""

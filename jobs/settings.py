@@ -1,0 +1,105 @@
+"""One settings object for the whole service (env prefix ``NIGHTSHIFT_``).
+
+Every URL has an embedded default under ``NIGHTSHIFT_HOME`` (SQLite file, local object
+folder, kombu ``filesystem://`` broker), so ``nightshift serve`` needs no services;
+production sets ``NIGHTSHIFT_DATABASE_URL``, ``NIGHTSHIFT_BROKER_URL`` and the S3 fields.
+Other modules add their own fields here (keep them grouped and documented).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="NIGHTSHIFT_", env_nested_delimiter="__", extra="ignore")
+
+    # --- places -----------------------------------------------------------------------
+    home: Path = Field(default=Path("./.nightshift"), description="state folder of the embedded default")
+    database_url: Optional[str] = Field(default=None, description="SQLAlchemy URL; default sqlite under home")
+    broker_url: Optional[str] = Field(default=None, description="Celery broker; default filesystem:// under home")
+
+    # --- object store -----------------------------------------------------------------
+    object_store: Literal["local", "s3"] = "local"
+    storage_dir: Optional[Path] = Field(default=None, description="local object store; default <home>/objects")
+    s3_bucket: Optional[str] = None
+    s3_prefix: str = ""
+    s3_endpoint_url: Optional[str] = None
+    s3_region: str = "us-east-1"
+    s3_access_key_id: Optional[str] = None
+    s3_secret_access_key: Optional[str] = None
+    s3_addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    s3_multipart_chunk_bytes: int = 8 * 1024 * 1024
+
+    # --- model / engine ---------------------------------------------------------------
+    model: str = "default"                       # engine.resolve_model() argument
+    served_model_name: str = "SmolLM2-135M-Instruct"  # name in responses; also accepted as body.model
+    quantization: Literal["none", "int4"] = "none"
+    device: str = "auto"
+    engine_max_num_seqs: int = 64
+    engine_max_num_batched_tokens: int = 2048
+    engine_num_kv_blocks: Optional[int] = None
+    default_chat_max_tokens: int = 256           # chat body without max_tokens (clamped to the context)
+    default_completion_max_tokens: int = 16      # OpenAI's default for /v1/completions
+
+    # --- limits -----------------------------------------------------------------------
+    max_file_bytes: int = 200 * 1024 * 1024
+    max_lines: int = 50_000
+    max_batch_tokens: int = 200_000_000          # enqueued prompt tokens per batch
+    completion_window_seconds: int = 24 * 3600
+
+    # --- pipeline ---------------------------------------------------------------------
+    shard_token_budget: int = 65_536             # prompt + max_tokens per shard
+    lease_seconds: float = 120.0                 # a shard lease lives this long without heartbeat
+    heartbeat_seconds: float = 10.0
+    result_flush_seconds: float = 0.25           # results are written in small transactions
+    result_flush_rows: int = 64
+    max_shard_attempts: int = 5                  # then its unrun requests become error lines
+    requeue_pending_after_seconds: float = 60.0  # re-send a pending shard's message (lost wake-up)
+    reconcile_interval_seconds: float = 15.0
+    expire_interval_seconds: float = 30.0
+    broker_visibility_timeout: int = 6 * 3600    # Redis: longer than the longest shard
+    broker_polling_interval: float = 0.1         # filesystem:// broker
+
+    @field_validator("database_url")
+    @classmethod
+    def _psycopg3(cls, v: Optional[str]) -> Optional[str]:
+        if v and v.startswith("postgresql://"):
+            return "postgresql+psycopg://" + v[len("postgresql://"):]
+        if v and v.startswith("postgres://"):
+            return "postgresql+psycopg://" + v[len("postgres://"):]
+        return v
+
+    # --- derived ----------------------------------------------------------------------
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{(self.home / 'nightshift.db').resolve()}"
+
+    @property
+    def resolved_broker_url(self) -> str:
+        return self.broker_url or "filesystem://"
+
+    @property
+    def broker_dir(self) -> Path:
+        return (self.home / "broker").resolve()
+
+    @property
+    def resolved_storage_dir(self) -> Path:
+        return (self.storage_dir or self.home / "objects").resolve()
+
+    @property
+    def is_embedded_broker(self) -> bool:
+        return self.resolved_broker_url.startswith("filesystem://")
+
+    def accepted_model_names(self) -> set[str]:
+        return {"default", self.model, self.served_model_name}
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings (tests call ``get_settings.cache_clear()`` after changing env)."""
+    return Settings()

@@ -1,0 +1,137 @@
+"""Fixtures for service tests: a fresh Postgres database per test session (created, migrated
+with `alembic upgrade head`, dropped), SQLite under tmp_path, moto's S3 server on
+127.0.0.1, Redis on 127.0.0.1:6379, settings pointed at them."""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import uuid
+
+import pytest
+import sqlalchemy as sa
+
+PG_ADMIN_URL = os.environ.get("NIGHTSHIFT_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("NIGHTSHIFT_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+
+TABLES_CHILD_FIRST = ("requests", "shards", "batches", "files", "api_keys", "projects")
+
+
+def _admin_engine():
+    return sa.create_engine(PG_ADMIN_URL, isolation_level="AUTOCOMMIT", poolclass=sa.pool.NullPool)
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """A new Postgres database for this test session, migrated to head; dropped at the end."""
+    from storage.db import dispose_engines, upgrade_head
+
+    name = f"nightshift_test_{os.getpid()}_{secrets.token_hex(4)}"
+    admin = _admin_engine()
+    with admin.connect() as conn:
+        conn.exec_driver_sql(f'CREATE DATABASE "{name}"')
+    url = PG_ADMIN_URL.rsplit("/", 1)[0] + "/" + name
+    try:
+        upgrade_head(url)
+        yield url
+    finally:
+        dispose_engines()
+        with admin.connect() as conn:
+            conn.exec_driver_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        admin.dispose()
+
+
+def clear_tables(url: str) -> None:
+    from storage.db import get_engine
+
+    engine = get_engine(url)
+    with engine.begin() as conn:
+        names = set(sa.inspect(conn).get_table_names())
+        for table in TABLES_CHILD_FIRST:
+            if table in names:
+                conn.exec_driver_sql(f"DELETE FROM {table}")
+
+
+@pytest.fixture
+def pg_db(pg_url):
+    """The session's Postgres database, emptied before the test."""
+    clear_tables(pg_url)
+    yield pg_url
+
+
+@pytest.fixture
+def sqlite_db(tmp_path):
+    from storage.db import upgrade_head
+
+    url = f"sqlite:///{tmp_path / 'nightshift.db'}"
+    upgrade_head(url)
+    yield url
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def any_db(request):
+    """Runs the test on both databases (same code paths)."""
+    if request.param == "postgres":
+        yield request.getfixturevalue("pg_db")
+    else:
+        yield request.getfixturevalue("sqlite_db")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 in server mode on 127.0.0.1 (a real HTTP S3 API); yields its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    import boto3
+
+    name = f"nightshift-test-{uuid.uuid4().hex[:12]}"
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1",
+                          aws_access_key_id="test", aws_secret_access_key="test")
+    client.create_bucket(Bucket=name)
+    yield name
+
+
+@pytest.fixture
+def redis_url():
+    import redis
+
+    db = 7
+    client = redis.Redis.from_url(f"{REDIS_URL}/{db}")
+    client.ping()
+    client.flushdb()
+    yield f"{REDIS_URL}/{db}"
+    client.flushdb()
+
+
+@pytest.fixture
+def settings_env(monkeypatch, tmp_path):
+    """Point NIGHTSHIFT_* at tmp_path; returns a setter for more env vars. Clears cached settings."""
+    from jobs.settings import get_settings
+    from storage.objectstore import reset_object_store_cache
+
+    for key in list(os.environ):
+        if key.startswith("NIGHTSHIFT_") and key != "NIGHTSHIFT_MODEL_CACHE":
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("NIGHTSHIFT_HOME", str(tmp_path / "home"))
+
+    def set_env(**values):
+        for k, v in values.items():
+            monkeypatch.setenv(f"NIGHTSHIFT_{k.upper()}", str(v))
+        get_settings.cache_clear()
+        reset_object_store_cache()
+        return get_settings()
+
+    set_env()
+    yield set_env
+    get_settings.cache_clear()
+    reset_object_store_cache()
