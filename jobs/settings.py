@@ -65,6 +65,17 @@ class Settings(BaseSettings):
     broker_visibility_timeout: int = 6 * 3600    # Redis: longer than the longest shard
     broker_polling_interval: float = 0.1         # filesystem:// broker
 
+    # --- cost accounting and schedules (issue 6) ------------------------------------
+    # Instance price per hour per device kind ("cpu", "cuda", or an exact device name such as
+    # "cuda:0"; "default" catches the rest). Env: NIGHTSHIFT_INSTANCE_USD_PER_HOUR='{"cuda": 2.5}'
+    instance_usd_per_hour: dict[str, float] = Field(default_factory=lambda: {"cpu": 0.10, "cuda": 2.50})
+    # Online list prices per 1M tokens to compare against (defaults: gpt-4o-mini standard tier)
+    online_input_usd_per_1m: float = 0.15
+    online_cached_input_usd_per_1m: float = 0.075
+    online_output_usd_per_1m: float = 0.60
+    schedule_tick_seconds: float = 30.0           # beat: fire due schedules this often
+    schedule_start_retry_seconds: float = 120.0   # re-send a run's start message if still pending
+
     @field_validator("database_url")
     @classmethod
     def _psycopg3(cls, v: Optional[str]) -> Optional[str]:
