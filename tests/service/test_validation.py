@@ -1,0 +1,149 @@
+"""Line validation: every OpenAI error code, one entry per bad line, limits; shard planning; body mapping."""
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from jobs.openai_mapping import RequestBodyError, response_body, sampling_kwargs
+from jobs.sharding import plan_shards
+from jobs.validation import validate_lines
+
+CHAT = "/v1/chat/completions"
+MODELS = {"default", "SmolLM2-135M-Instruct"}
+
+
+def line(custom_id="a", method="POST", url=CHAT, body=None, **extra):
+    obj = {"custom_id": custom_id, "method": method, "url": url,
+           "body": body if body is not None else {"model": "default", "messages": [{"role": "user", "content": "hi"}]}}
+    obj.update(extra)
+    return orjson.dumps(obj)
+
+
+def run(lines, endpoint=CHAT, max_lines=100, max_bytes=10**6):
+    return validate_lines(lines, endpoint, MODELS, max_lines=max_lines, max_bytes=max_bytes)
+
+
+def test_valid_file_keeps_lines_and_model():
+    r = run([line("a"), b"", line("b")])
+    assert r.ok and [(v.line, v.custom_id) for v in r.lines] == [(1, "a"), (3, "b")]
+    assert r.model == "default"
+
+
+@pytest.mark.parametrize("raw, code, param", [
+    (b"{not json", "invalid_json_line", None),
+    (b"\xff\xfe{}", "invalid_json_line", None),
+    (b"[1, 2]", "invalid_json_line", None),
+    (orjson.dumps({"method": "POST", "url": CHAT, "body": {"model": "default", "messages": [{"role": "user", "content": "x"}]}}),
+     "missing_required_parameter", "custom_id"),
+    (line(method="GET"), "invalid_request", "method"),
+    (line(url="/v1/embeddings"), "invalid_url", "url"),
+    (line(body=[1]), "invalid_request", "body"),
+    (line(body={"model": "default", "messages": [{"role": "user", "content": "x"}], "stream": True}),
+     "streaming_unsupported", "body.stream"),
+    (line(body={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), "model_not_found", "body.model"),
+    (line(body={"messages": [{"role": "user", "content": "x"}]}), "invalid_request", "body.model"),
+    (line(body={"model": "default"}), "invalid_request", "body.messages"),
+    (line(body={"model": "default", "messages": [{"role": "user", "content": "x"}], "n": 3}), "invalid_request",
+     "body.n"),
+])
+def test_each_bad_line_names_line_code_and_param(raw, code, param):
+    r = run([line("ok"), raw])
+    assert not r.ok
+    assert r.errors == [{"code": code, "param": param, "line": 2, "message": r.errors[0]["message"]}]
+    assert r.errors[0]["message"]
+
+
+def test_missing_method_and_url_give_one_error_each():
+    raw = orjson.dumps({"custom_id": "x", "body": {"model": "default", "messages": [{"role": "u", "content": ""}]}})
+    r = run([raw])
+    assert sorted(e["param"] for e in r.errors) == ["method", "url"]
+    assert {e["code"] for e in r.errors} == {"missing_required_parameter"}
+
+
+def test_duplicate_custom_id_and_mixed_models_and_several_bad_lines():
+    other = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "x"}]}
+    r = run([line("a"), line("a"), line("b", body=other), b"oops", line("c")])
+    assert [(e["line"], e["code"]) for e in r.errors] == [(2, "duplicate_custom_id"), (3, "invalid_request"),
+                                                          (4, "invalid_json_line")]
+    assert "line 1" in r.errors[0]["message"]
+    assert r.errors_object()["object"] == "list"
+
+
+def test_completions_prompt_rules():
+    ep = "/v1/completions"
+    good = line(url=ep, body={"model": "default", "prompt": "Once upon"})
+    ids = line("i", url=ep, body={"model": "default", "prompt": [1, 2, 3]})
+    bad = line("b", url=ep, body={"model": "default", "prompt": {"x": 1}})
+    missing = line("m", url=ep, body={"model": "default"})
+    r = run([good, ids, bad, missing], endpoint=ep)
+    assert [(e["line"], e["param"]) for e in r.errors] == [(3, "body.prompt"), (4, "body.prompt")]
+
+
+def test_limits_and_empty_file():
+    r = run([line(str(i)) for i in range(5)], max_lines=3)
+    assert r.errors[-1]["code"] == "too_many_tasks" and r.errors[-1]["line"] == 4
+    r = run([line(str(i)) for i in range(5)], max_bytes=200)
+    assert r.errors[-1]["code"] == "file_too_large"
+    r = run([b"", b"  "])
+    assert r.errors == [{"code": "empty_file", "message": "The input file contains no requests.", "param": None,
+                         "line": None}]
+
+
+def test_error_list_is_bounded():
+    r = run([b"bad"] * 1500, max_lines=5000)
+    data = r.errors_object()["data"]
+    assert len(data) == 1001 and data[-1]["code"] == "too_many_errors" and "500 more" in data[-1]["message"]
+
+
+# --- shard planning -------------------------------------------------------------------
+
+def test_shards_group_shared_prefixes_and_respect_budget():
+    sys_a, sys_b = [1] * 20, [2] * 20
+    prompts = [sys_a + [i] for i in range(10)] + [sys_b + [i] for i in range(10)]
+    prompts = prompts[::2] + prompts[1::2]  # interleave the two groups
+    plan = plan_shards(prompts, [10] * 20, token_budget=10 * 31)
+    assert sum(len(s.members) for s in plan) == 20
+    assert sorted(i for s in plan for i in s.members) == list(range(20))
+    for s in plan:
+        assert s.planned_tokens <= 310
+        assert len({prompts[i][0] for i in s.members}) == 1  # one prefix group per shard
+
+
+def test_shard_cut_moves_to_group_boundary():
+    prompts = [[1] * 10 + [i] for i in range(6)] + [[2] * 10 + [i] for i in range(6)]
+    plan = plan_shards(prompts, [0] * 12, token_budget=11 * 8)  # 8 fit; the group boundary is at 6
+    assert [len(s.members) for s in plan] == [6, 6]
+
+
+def test_oversized_request_gets_its_own_shard():
+    plan = plan_shards([[1] * 50, [2] * 5, [3] * 5], [100, 1, 1], token_budget=20)
+    assert [len(s.members) for s in plan] == [1, 2]
+
+
+# --- OpenAI body -> sampling, output -> body ------------------------------------------
+
+def test_sampling_kwargs_defaults_and_clamp():
+    kw = sampling_kwargs({"messages": []}, CHAT, prompt_len=2000, max_model_len=2048, default_chat=256,
+                         default_completion=16)
+    assert kw["max_tokens"] == 48 and kw["temperature"] == 1.0 and kw["stop"] == []
+    kw = sampling_kwargs({"max_tokens": 5000, "temperature": 0, "stop": "\n", "seed": 3}, CHAT, 10, 2048, 256, 16)
+    assert kw["max_tokens"] == 5000 and kw["temperature"] == 0.0 and kw["stop"] == ["\n"] and kw["seed"] == 3
+    assert sampling_kwargs({"prompt": "x"}, "/v1/completions", 3, 2048, 256, 16)["max_tokens"] == 16
+
+
+@pytest.mark.parametrize("body, param", [({"temperature": 3}, "temperature"), ({"top_p": -1}, "top_p"),
+                                         ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": "9"}, "max_tokens"),
+                                         ({"stop": [1]}, "stop"), ({"seed": 1.5}, "seed")])
+def test_bad_sampling_values_name_the_field(body, param):
+    with pytest.raises(RequestBodyError) as e:
+        sampling_kwargs(body, CHAT, 5, 2048, 256, 16)
+    assert e.value.param == param
+
+
+def test_response_bodies_have_openai_shape():
+    chat = response_body(CHAT, "x1", 100, "m", "hello", "length", 10, 4, 2)
+    assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"] == "hello"
+    assert chat["usage"] == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
+    comp = response_body("/v1/completions", "x2", 100, "m", "t", "stop", 1, 0, 1)
+    assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == "t"
