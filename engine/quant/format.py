@@ -1,0 +1,128 @@
+"""The one INT4 weight format of the engine (see engine/quant/README.md).
+
+A linear weight ``W[N, K]`` (out_features x in_features) is stored as
+
+* ``qweight``: uint8 ``[N, K // 2]``; byte ``j`` of a row holds input channel ``2j`` in its
+  low nibble and ``2j + 1`` in its high nibble; values are unsigned 0..15.
+* ``scales`` and ``mins``: float16 ``[N, K // group_size]``, one pair per group of
+  ``group_size`` consecutive input channels of a row.
+
+and dequantizes as ``w = q * scale + min`` (asymmetric: the minimum is a float, not an
+integer zero point). GGUF Q4_1 is exactly this with group 32 (``d``, ``m``); Q4_0 is the
+special case ``min = -8 * d``. Everything that runs INT4 (CPU tinygemm, Triton) converts
+from this format at load time; this format is what the on-disk cache stores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class Int4Weight:
+    qweight: torch.Tensor   # uint8 [N, K // 2]
+    scales: torch.Tensor    # float16 [N, K // group_size]
+    mins: torch.Tensor      # float16 [N, K // group_size]
+    group_size: int
+
+    def __post_init__(self) -> None:
+        n, half_k = self.qweight.shape
+        if self.qweight.dtype != torch.uint8:
+            raise ValueError(f"qweight must be uint8, got {self.qweight.dtype}")
+        if self.group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}")
+        k = half_k * 2
+        if k % self.group_size:
+            raise ValueError(f"in_features {k} is not a multiple of group_size {self.group_size}")
+        expected = (n, k // self.group_size)
+        for name in ("scales", "mins"):
+            t = getattr(self, name)
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected}")
+            if t.dtype != torch.float16:
+                raise ValueError(f"{name} must be float16, got {t.dtype}")
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * 2
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dense ``[N, K]`` weight. Computed in float32 as ``q * scale + min`` (two separate
+        roundings, like GGUF's reference dequantizer) and then cast to ``dtype``."""
+        q = unpack_int4(self.qweight).to(torch.float32)
+        n, k = q.shape
+        groups = q.view(n, k // self.group_size, self.group_size)
+        w = groups * self.scales.to(torch.float32).unsqueeze(-1)
+        w = w + self.mins.to(torch.float32).unsqueeze(-1)
+        return w.view(n, k).to(dtype)
+
+    def select_rows(self, index: torch.Tensor) -> "Int4Weight":
+        """Rows (output channels) reordered/selected, e.g. to undo GGUF's q/k permutation."""
+        return Int4Weight(self.qweight[index].contiguous(), self.scales[index].contiguous(),
+                          self.mins[index].contiguous(), self.group_size)
+
+    def to(self, device) -> "Int4Weight":
+        return Int4Weight(self.qweight.to(device), self.scales.to(device), self.mins.to(device),
+                          self.group_size)
+
+    @staticmethod
+    def cat_rows(parts: list["Int4Weight"]) -> "Int4Weight":
+        """Stack several weights with the same input size along the output dim (fused qkv)."""
+        group_sizes = {p.group_size for p in parts}
+        if len(group_sizes) != 1:
+            raise ValueError(f"cannot fuse INT4 weights with different group sizes {sorted(group_sizes)}")
+        return Int4Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scales for p in parts]),
+                          torch.cat([p.mins for p in parts]), parts[0].group_size)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Integer values 0..15, ``[N, K]`` (K even) -> uint8 ``[N, K // 2]``."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"last dim must be even to pack two values per byte, got {q.shape[-1]}")
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K // 2]`` -> uint8 values 0..15, ``[N, K]``."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).flatten(-2)
+
+
+def quantize_rtn(weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
+    """Round-to-nearest asymmetric INT4 of a dense ``[N, K]`` weight, one (scale, min) per group.
+
+    The scale and min are rounded to float16 first and the integers are chosen against those
+    rounded values, so the stored triple reproduces the weight as closely as the format allows.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
+    n, k = weight.shape
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
+    w = weight.detach().to(torch.float32).reshape(n, k // group_size, group_size)
+    wmin = w.amin(dim=-1)
+    wmax = w.amax(dim=-1)
+    scales = ((wmax - wmin) / 15).to(torch.float16)
+    mins = wmin.to(torch.float16)
+    s32 = scales.to(torch.float32).unsqueeze(-1)
+    inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
+    q = torch.round((w - mins.to(torch.float32).unsqueeze(-1)) * inv).clamp_(0, 15)
+    return Int4Weight(pack_int4(q.reshape(n, k)), scales, mins, group_size)

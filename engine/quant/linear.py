@@ -1,0 +1,118 @@
+"""``Int4Linear``: a linear layer whose weight is stored in our INT4 format.
+
+What runs (engine/quant/README.md has the measurements):
+* CUDA: the Triton dequant-GEMM (engine/quant/triton_int4.py) on the packed weight.
+* CPU, steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU kernel (tinygemm), with
+  bfloat16 activations (its float32 mode is ~6x slower here; the result is cast back).
+* CPU, larger steps: dense ``F.linear`` with the dequantized weight in the activation dtype,
+  kept after first use when ``cache_dense_weight`` (else dequantized per call).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gguf import GGMLQuantizationType
+
+from engine.quant.cache import active_cache
+from engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS, QuantConfig
+from engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
+from engine.quant.format import Int4Weight, quantize_rtn
+from engine.quant.gguf_import import DIRECT_IMPORT_TYPES, int4_from_gguf_blocks
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *,
+                 cpu_int4_max_rows: int = DEFAULT_CPU_INT4_MAX_ROWS,
+                 cache_dense_weight: bool = True):
+        super().__init__()
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.group_size = weight.group_size
+        self.cpu_int4_max_rows = cpu_int4_max_rows
+        self.cache_dense_weight = cache_dense_weight
+        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+        self.register_buffer("bias", bias)
+        # Kernel-specific forms of the same weight, built on first use per (device, dtype);
+        # not part of the state dict (the INT4 format is what is stored and moved).
+        self._tinygemm_packed: torch.Tensor | None = None
+        self._tinygemm_sz: dict[torch.dtype, torch.Tensor] = {}
+        self._dense: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    @property
+    def int4_weight(self) -> Int4Weight:
+        return Int4Weight(self.qweight, self.scales, self.mins, self.group_size)
+
+    def _apply(self, fn, recurse=True):
+        # A move/cast of the module invalidates the derived kernel forms.
+        self._tinygemm_packed = None
+        self._tinygemm_sz = {}
+        self._dense = {}
+        return super()._apply(fn, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        if x.is_cuda:
+            from engine.quant.triton_int4 import int4_matmul
+            y = int4_matmul(x2d, self.qweight, self.scales, self.mins, self.group_size)
+        elif x2d.shape[0] <= self.cpu_int4_max_rows:
+            y = self._tinygemm(x2d.to(torch.bfloat16)).to(x.dtype)
+        else:
+            y = F.linear(x2d, self.dense_weight(x.dtype, x.device), self.bias)
+            return y.reshape(*lead, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def _tinygemm(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self._tinygemm_packed is None:
+            self._tinygemm_packed = pack_for_tinygemm(self.int4_weight)
+        sz = self._tinygemm_sz.get(x2d.dtype)
+        if sz is None:
+            sz = self._tinygemm_sz[x2d.dtype] = tinygemm_scales_and_zeros(self.int4_weight, x2d.dtype)
+        return tinygemm_linear(x2d, self._tinygemm_packed, self.group_size, sz)
+
+    def dense_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (device, dtype)
+        w = self._dense.get(key)
+        if w is None:
+            w = self.int4_weight.dequantize(dtype)
+            if self.cache_dense_weight:
+                self._dense[key] = w
+        return w
+
+
+def int4_weight_for(source, config: QuantConfig) -> Int4Weight:
+    """The INT4 weight of a (possibly fused) projection: GGUF Q4_0/Q4_1 blocks imported as they
+    are, anything else quantized from its float32 values with round-to-nearest."""
+    blocks = source.gguf_blocks() if config.import_gguf_blocks else None
+    if blocks is not None and all(GGMLQuantizationType(b.qtype) in DIRECT_IMPORT_TYPES for b in blocks):
+        parts = [int4_from_gguf_blocks(b.raw, GGMLQuantizationType(b.qtype), b.out_features,
+                                       b.in_features, name=part)
+                 for b, part in zip(blocks, source.parts)]
+        return Int4Weight.cat_rows(parts)
+    dense = torch.cat([source.tensor(f"{part}.weight").to(torch.float32) for part in source.parts])
+    return quantize_rtn(dense, config.group_size)
+
+
+def build_int4_linear(source, config: QuantConfig) -> Int4Linear:
+    """The seam engine/layers/linear.py calls for every layer `config.quantizes()`."""
+    cache = active_cache()
+    weight = cache.get(source.name) if cache is not None else None
+    if weight is None:
+        weight = int4_weight_for(source, config)
+        if cache is not None:
+            cache.put(source.name, weight)
+    device = torch.device(source.device)
+    bias = source.bias()
+    return Int4Linear(weight.to(device), None if bias is None else bias.to(device),
+                      cpu_int4_max_rows=config.cpu_int4_max_rows,
+                      cache_dense_weight=config.cache_dense_weight)
