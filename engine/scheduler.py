@@ -70,7 +70,7 @@ class Scheduler:
         """Remove a finished (or aborted) sequence and release its blocks."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
