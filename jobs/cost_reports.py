@@ -46,11 +46,14 @@ def load_usages(session: Session, batch_id: str) -> list[RequestUsage]:
         select(Request.custom_id, Request.line, Request.status, Request.prompt_tokens,
                Request.cached_tokens, Request.completion_tokens, Request.engine_seconds,
                Request.queued_at, Request.started_at, Request.finished_at, Request.worker,
-               Request.device)
+               Request.device, Request.response_status_code)
         .where(Request.batch_id == batch_id).order_by(Request.line))
+    # A line never run (drained at cancel/expiry) keeps its planned prompt length in
+    # prompt_tokens but consumed nothing: only answered requests (200 or a model 400) count.
     return [RequestUsage(custom_id=r.custom_id, line=r.line, status=r.status,
-                         prompt_tokens=r.prompt_tokens or 0, cached_prompt_tokens=r.cached_tokens or 0,
-                         completion_tokens=r.completion_tokens or 0,
+                         prompt_tokens=(r.prompt_tokens or 0) if r.response_status_code else 0,
+                         cached_prompt_tokens=(r.cached_tokens or 0) if r.response_status_code else 0,
+                         completion_tokens=(r.completion_tokens or 0) if r.response_status_code else 0,
                          engine_seconds=r.engine_seconds or 0.0, queued_at=_dt(r.queued_at),
                          started_at=_dt(r.started_at), finished_at=_dt(r.finished_at),
                          worker=r.worker, device=r.device)
@@ -132,7 +135,8 @@ def _day_expr(session: Session):
 
 def costs_by_day(session: Session, project_id: str, *, start: float, end: float,
                  settings: Optional[Settings] = None) -> dict:
-    """Cost of the project's requests that finished in [start, end), per UTC day."""
+    """Cost of the project's answered requests that finished in [start, end), per UTC day
+    (never-run lines of cancelled/expired batches consumed nothing and are left out)."""
     prices = prices_from_settings(settings)
     day = _day_expr(session).label("day")
     rows = session.execute(
@@ -142,14 +146,14 @@ def costs_by_day(session: Session, project_id: str, *, start: float, end: float,
                func.coalesce(func.sum(Request.completion_tokens), 0).label("completion_tokens"),
                func.coalesce(func.sum(Request.engine_seconds), 0.0).label("engine_seconds"))
         .join(Batch, Batch.id == Request.batch_id)
-        .where(Batch.project_id == project_id, Request.finished_at.is_not(None),
+        .where(Batch.project_id == project_id, Request.response_status_code.is_not(None),
                Request.finished_at >= start, Request.finished_at < end)
         .group_by(day, Request.device).order_by(day)).all()
     days: dict[int, dict] = {}
     batches_per_day = dict(session.execute(
         select(day, func.count(func.distinct(Request.batch_id)))
         .join(Batch, Batch.id == Request.batch_id)
-        .where(Batch.project_id == project_id, Request.finished_at.is_not(None),
+        .where(Batch.project_id == project_id, Request.response_status_code.is_not(None),
                Request.finished_at >= start, Request.finished_at < end)
         .group_by(day)).all())
     for r in rows:

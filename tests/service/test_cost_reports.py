@@ -33,13 +33,15 @@ def seed_batch(sm, project_id: str, *, n: int, start: float, status="completed",
                     endpoint="/v1/chat/completions", status=status, model="default", request_total=n))
         s.flush()
         for i in range(n):
-            failed = i % 7 == 6
+            never_run = i % 7 == 6   # drained at cancel/expiry: planned prompt_tokens, no answer
             s.add(Request(batch_id=batch_id, line=i + 1, custom_id=f"req-{i}", body={}, prompt_token_ids=[],
-                          status="failed" if failed else "completed",
-                          prompt_tokens=0 if failed else 50 + i, cached_tokens=0 if failed else 16 * (i % 3),
-                          completion_tokens=0 if failed else 3 * i + 1,
-                          engine_seconds=0.0 if failed else 0.037 * (i + 1),
-                          worker="w@host", device=None if failed else devices[i % len(devices)],
+                          status="failed" if never_run else "completed",
+                          response_status_code=None if never_run else 200,
+                          error_code="batch_expired" if never_run else None,
+                          prompt_tokens=50 + i, cached_tokens=0 if never_run else 16 * (i % 3),
+                          completion_tokens=0 if never_run else 3 * i + 1,
+                          engine_seconds=0.0 if never_run else 0.037 * (i + 1),
+                          worker="w@host", device=None if never_run else devices[i % len(devices)],
                           queued_at=start, started_at=start + 1 + i, finished_at=start + 2 + i * 60))
     return batch_id
 
@@ -53,7 +55,8 @@ def make_project(sm) -> str:
 
 def rows_of(sm, batch_id):
     with sm() as s:
-        return s.scalars(select(Request).where(Request.batch_id == batch_id)).all()
+        return s.scalars(select(Request).where(Request.batch_id == batch_id,
+                                               Request.response_status_code.is_not(None))).all()
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -126,7 +129,7 @@ def test_costs_per_day_per_project(any_db, settings_env):
         report = costs_by_day(s, pid, start=DAY1 - 86400, end=DAY1 + 3 * 86400, settings=settings)
     rows = rows_of(sm, b1) + rows_of(sm, b2)
     assert [d["date"] for d in report["data"]] == ["2026-11-21", "2026-11-22", "2026-11-23"]
-    assert report["total"]["requests"] == 24
+    assert report["total"]["requests"] == len(rows) == 24 - 2
     assert report["total"]["prompt_tokens"] == sum(r.prompt_tokens for r in rows)
     assert report["total"]["completion_tokens"] == sum(r.completion_tokens for r in rows)
     day1 = [r for r in rows if r.finished_at < datetime(2026, 11, 22, tzinfo=timezone.utc).timestamp()]
@@ -138,4 +141,4 @@ def test_costs_per_day_per_project(any_db, settings_env):
     with sm() as s:
         narrow = costs_by_day(s, pid, start=DAY1 + 86400, end=DAY1 + 2 * 86400, settings=settings)
         assert costs_by_day(s, new_id("proj_"), start=0, end=1e12, settings=settings)["data"] == []
-    assert sum(d["requests"] for d in narrow["data"]) < 24
+    assert 0 < sum(d["requests"] for d in narrow["data"]) < len(rows)
