@@ -1,0 +1,105 @@
+"""Int4Linear on CPU (tinygemm for small steps, dense dequantized above) vs the torch reference."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.linear import GGUFBlocks, WeightSource
+from engine.quant.cache import quantized_checkpoint_cache
+from engine.quant.config import QuantConfig, resolve_quant_config
+from engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
+from engine.quant.format import quantize_rtn
+from engine.quant.linear import Int4Linear, build_int4_linear
+
+
+@pytest.fixture
+def weight():
+    torch.manual_seed(0)
+    return quantize_rtn(torch.randn(192, 384) * 0.05, 64)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 1e-2)])
+def test_tinygemm_matches_dequantized_reference(weight, dtype, tol):
+    x = torch.randn(3, 384)
+    ref = x @ weight.dequantize().t()
+    out = tinygemm_linear(x.to(dtype), pack_for_tinygemm(weight), 64, tinygemm_scales_and_zeros(weight, dtype))
+    assert out.dtype == dtype
+    assert ((out.float() - ref).abs().max() / ref.abs().max()) < tol
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 40])
+def test_int4_linear_both_paths(weight, rows):
+    bias = torch.randn(192)
+    layer = Int4Linear(weight, bias, cpu_int4_max_rows=8)
+    x = torch.randn(rows, 384)
+    ref = F.linear(x, weight.dequantize(), bias)
+    out = layer(x)
+    assert out.shape == (rows, 192) and out.dtype == torch.float32
+    # tinygemm runs with bfloat16 activations (relative ~4e-3); the dense path is float32
+    tol = 1e-2 if rows <= 8 else 1e-5
+    assert ((out - ref).abs().max() / ref.abs().max()) < tol
+
+
+def test_int4_linear_keeps_leading_dims_and_dense_cache(weight):
+    x = torch.randn(2, 10, 384)
+    cached = Int4Linear(weight, cpu_int4_max_rows=0, cache_dense_weight=True)
+    uncached = Int4Linear(weight, cpu_int4_max_rows=0, cache_dense_weight=False)
+    assert torch.equal(cached(x), uncached(x))
+    assert cached(x).shape == (2, 10, 192)
+    assert len(cached._dense) == 1 and not uncached._dense
+    assert "qweight" in cached.state_dict() and cached.state_dict()["qweight"].dtype == torch.uint8
+
+
+def _source(tensors, gguf=None, name="model.layers.0.mlp.gate_up_proj", parts=("a", "b")):
+    return WeightSource(name=name, parts=list(parts), tensor=lambda n: tensors.get(n),
+                        gguf=lambda n: (gguf or {}).get(n), dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_build_int4_linear_rtn_from_dense_and_gguf_import():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 128), torch.randn(32, 128)
+    layer = build_int4_linear(_source({"a.weight": a, "b.weight": b}), QuantConfig(group_size=128))
+    assert layer.group_size == 128 and layer.out_features == 96
+    assert torch.equal(layer.int4_weight.dequantize(), quantize_rtn(torch.cat([a, b]), 128).dequantize())
+
+    raws = {n: quantize(t.numpy(), GGMLQuantizationType.Q4_1) for n, t in (("a", a), ("b", b))}
+    blocks = {f"{n}.weight": GGUFBlocks(r, int(GGMLQuantizationType.Q4_1), t.shape[0], 128)
+              for (n, r), t in zip(raws.items(), (a, b))}
+    layer = build_int4_linear(_source({"a.weight": a, "b.weight": b}, blocks), QuantConfig())
+    expected = torch.cat([torch.from_numpy(dequantize(r, GGMLQuantizationType.Q4_1)) for r in raws.values()])
+    assert layer.group_size == 32 and torch.equal(layer.int4_weight.dequantize(), expected)
+    # asked not to import the blocks: re-quantized with RTN at the configured group
+    layer = build_int4_linear(_source({"a.weight": a, "b.weight": b}, blocks),
+                              QuantConfig(group_size=64, import_gguf_blocks=False))
+    assert layer.group_size == 64
+
+
+def test_quantized_checkpoint_cache_round_trip(tmp_path):
+    torch.manual_seed(0)
+    src = _source({"a.weight": torch.randn(64, 128), "b.weight": torch.randn(32, 128)})
+    config = QuantConfig(group_size=32)
+    with quantized_checkpoint_cache(tmp_path, "f" * 64, config) as cache:
+        first = build_int4_linear(src, config)
+        assert cache.misses == 1 and cache.hits == 0
+    files = list((tmp_path / "int4").glob("*.safetensors"))
+    assert len(files) == 1
+    empty = _source({})  # a cache hit never touches the checkpoint
+    with quantized_checkpoint_cache(tmp_path, "f" * 64, config) as cache:
+        second = build_int4_linear(empty, config)
+        assert cache.hits == 1 and cache.misses == 0
+    assert torch.equal(first.qweight, second.qweight) and torch.equal(first.scales, second.scales)
+    with quantized_checkpoint_cache(tmp_path, "f" * 64, QuantConfig(group_size=64)) as cache:
+        assert cache.get(src.name) is None  # another config is another file
+
+
+def test_quant_config_layers_and_resolution():
+    config = QuantConfig()
+    assert config.quantizes("model.layers.0.self_attn.o_proj")
+    assert not config.quantizes("lm_head") and not config.quantizes("model.embed_tokens")
+    assert config.quantizes("blk.0.attn_output") and not config.quantizes("output")
+    assert resolve_quant_config("none") is None and resolve_quant_config("int4") == QuantConfig()
+    with pytest.raises(ValueError, match="'none' or 'int4'"):
+        resolve_quant_config("int8")
+    with pytest.raises(ValueError, match="group_size"):
+        QuantConfig(group_size=16)
