@@ -189,6 +189,7 @@ def test_stored_jsonl_file_source_is_incremental_by_line(pg_db, store, settings_
     with sm() as s, s.begin():
         pid = new_id("proj_")
         s.add(Project(id=pid, name=pid))
+        s.flush()
         s.add(File(id="file-src", project_id=pid, filename="q.jsonl", purpose="batch", bytes=1,
                    object_key="files/file-src"))
         s.flush()
