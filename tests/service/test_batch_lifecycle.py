@@ -1,0 +1,182 @@
+"""Leases, compare-and-set writes, drain on cancel/expiry, idempotent finalize, reconciler —
+on real Postgres and SQLite, with the local and the S3 (moto server) object store."""
+from __future__ import annotations
+
+import time
+
+import orjson
+import pytest
+from sqlalchemy import select, update
+
+from jobs.batches import InvalidTransition, batch_progress, cancel_now, request_cancel, start_finalize_if_done
+from jobs.finalize import finalize_batch
+from jobs.leases import LeaseLost, RequestResult, claim_shard, complete_shard, pending_requests, write_results
+from jobs.models import Batch, File, Request, RequestStatus, Shard
+from jobs.reconcile import reconcile
+from storage.db import session_scope
+from tests.service.factories import make_running_batch
+
+
+@pytest.fixture
+def store(settings_env, tmp_path):
+    from storage.objectstore import get_object_store
+
+    return get_object_store(settings_env(storage_dir=tmp_path / "objects", lease_seconds=30))
+
+
+def ok(row_id: int, text: str = "fine", cached: int = 1) -> RequestResult:
+    return RequestResult(row_id, RequestStatus.COMPLETED, response_status_code=200,
+                         response_body={"choices": [{"message": {"content": text}}]}, finish_reason="stop",
+                         prompt_tokens=3, cached_tokens=cached, completion_tokens=2, engine_seconds=0.5,
+                         finished_at=time.time())
+
+
+def read_jsonl(store, batch_id: str, file_id: str | None, db_url: str) -> list[dict]:  # noqa: ANN001
+    if file_id is None:
+        return []
+    with session_scope(db_url) as s:
+        key = s.get(File, file_id).object_key
+    return [orjson.loads(x) for x in b"".join(store.get_stream(key)).splitlines()]
+
+
+def test_stale_lease_cannot_write_and_rerun_skips_done(any_db, store):
+    bid, (shard,) = make_running_batch(any_db, store, 4, 1)
+    lease1 = claim_shard(shard, "w1", lease_seconds=30, db_url=any_db)
+    assert lease1 is not None and lease1.attempt == 1
+    assert claim_shard(shard, "w2", lease_seconds=30, db_url=any_db) is None  # lease is live
+    rows = pending_requests(lease1, db_url=any_db)
+    assert write_results(lease1, [ok(rows[0].id), ok(rows[1].id)], 30, db_url=any_db) == 2
+    # w1 dies; its lease expires; the reconciler hands the shard back and w2 claims it
+    acts = reconcile(db_url=any_db, now=time.time() + 60)
+    assert acts.run_shards == [shard]
+    lease2 = claim_shard(shard, "w2", lease_seconds=30, db_url=any_db)
+    assert lease2 is not None and lease2.attempt == 2 and lease2.token != lease1.token
+    assert [r.custom_id for r in pending_requests(lease2, db_url=any_db)] == ["req-2", "req-3"]
+    # the stale worker comes back: its write is rejected, nothing changes
+    with pytest.raises(LeaseLost):
+        write_results(lease1, [ok(rows[2].id, "stale")], 30, db_url=any_db)
+    # the new attempt writing an already-done row is a no-op (exactly once)
+    assert write_results(lease2, [ok(rows[0].id, "dup"), ok(rows[2].id), ok(rows[3].id)], 30, db_url=any_db) == 2
+    assert complete_shard(lease2, db_url=any_db)
+    with session_scope(any_db) as s:
+        texts = {r.custom_id: r.response_body["choices"][0]["message"]["content"]
+                 for r in s.scalars(select(Request).where(Request.batch_id == bid))}
+        attempts = {r.custom_id: r.attempt for r in s.scalars(select(Request).where(Request.batch_id == bid))}
+        sh = s.get(Shard, shard)
+        assert (sh.completed_count, sh.prefix_hit_tokens, sh.completion_tokens) == (4, 4, 8)
+        assert start_finalize_if_done(s, bid)
+    assert texts == {"req-0": "fine", "req-1": "fine", "req-2": "fine", "req-3": "fine"}
+    assert attempts == {"req-0": 1, "req-1": 1, "req-2": 2, "req-3": 2}
+
+
+def test_finalize_writes_line_ordered_files_and_is_idempotent(any_db, store):
+    bid, shards = make_running_batch(any_db, store, 6, 2)
+    for shard in shards:
+        lease = claim_shard(shard, "w", 30, db_url=any_db)
+        rows = pending_requests(lease, db_url=any_db)
+        results = [ok(r.id) if r.line % 3 else
+                   RequestResult(r.id, RequestStatus.FAILED, response_status_code=400,
+                                 response_body={"error": {"code": "context_length_exceeded", "message": "long",
+                                                          "type": "invalid_request_error", "param": None}},
+                                 finish_reason="error") for r in rows]
+        write_results(lease, results, 30, db_url=any_db)
+        assert complete_shard(lease, db_url=any_db)
+    with session_scope(any_db) as s:
+        assert start_finalize_if_done(s, bid)
+        assert not start_finalize_if_done(s, bid)  # only one caller wins
+    first = finalize_batch(bid, store=store, db_url=any_db)
+    assert (first.status, first.output_lines, first.error_lines) == ("completed", 4, 2)
+    with session_scope(any_db) as s:
+        b = s.get(Batch, bid)
+        out_id, err_id = b.output_file_id, b.error_file_id
+        progress = batch_progress(s, [b])[bid]
+    assert progress.request_counts() == {"total": 6, "completed": 4, "failed": 2}
+    out = read_jsonl(store, bid, out_id, any_db)
+    errs = read_jsonl(store, bid, err_id, any_db)
+    assert [o["custom_id"] for o in out] == ["req-0", "req-1", "req-3", "req-4"]  # input order
+    assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in out)
+    assert [(e["custom_id"], e["response"]["status_code"], e["error"]) for e in errs] == [("req-2", 400, None),
+                                                                                           ("req-5", 400, None)]
+    assert errs[0]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    # a crash after the files were written but before the status commit: finalize runs again
+    with session_scope(any_db) as s:
+        s.execute(update(Batch).where(Batch.id == bid).values(status="finalizing"))
+    again = finalize_batch(bid, store=store, db_url=any_db)
+    assert again.status == "completed"
+    with session_scope(any_db) as s:
+        b = s.get(Batch, bid)
+        assert (b.output_file_id, b.error_file_id) == (out_id, err_id)
+        assert s.query(File).filter(File.purpose == "batch_output").count() == 2
+    assert read_jsonl(store, bid, out_id, any_db) == out
+    assert finalize_batch(bid, store=store, db_url=any_db).status == "completed"  # terminal: no-op
+
+
+def test_cancel_mid_run_keeps_finished_and_drains_the_rest(any_db, store):
+    bid, (s1, s2) = make_running_batch(any_db, store, 6, 2)
+    lease = claim_shard(s1, "w", 30, db_url=any_db)
+    done = pending_requests(lease, db_url=any_db)[:2]
+    write_results(lease, [ok(r.id) for r in done], 30, db_url=any_db)
+    with session_scope(any_db) as s:
+        assert request_cancel(s, bid).status == "cancelling"
+    with session_scope(any_db) as s:
+        assert request_cancel(s, bid).status == "cancelling"  # idempotent
+        assert cancel_now(s, bid)
+    # the worker still running shard 1 has lost its lease: its late write is refused
+    rest = [r for r in pending_requests(lease, db_url=any_db)]
+    assert rest == []
+    with pytest.raises(LeaseLost):
+        write_results(lease, [ok(done[0].id)], 30, db_url=any_db)
+    assert claim_shard(s2, "w2", 30, db_url=any_db) is None
+    result = finalize_batch(bid, store=store, db_url=any_db)
+    assert (result.status, result.output_lines, result.error_lines) == ("cancelled", 2, 4)
+    with session_scope(any_db) as s:
+        b = s.get(Batch, bid)
+        assert b.cancelled_at is not None
+        assert batch_progress(s, [b])[bid].request_counts() == {"total": 6, "completed": 2, "failed": 4}
+        with pytest.raises(InvalidTransition):
+            s.execute(update(Batch).where(Batch.id == bid).values(status="completed"))
+            request_cancel(s, bid)
+    errs = read_jsonl(store, bid, b.error_file_id, any_db)
+    assert {e["error"]["code"] for e in errs} == {"batch_cancelled"} and all(e["response"] is None for e in errs)
+    ids = [o["custom_id"] for o in read_jsonl(store, bid, b.output_file_id, any_db)] + [e["custom_id"] for e in errs]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(6))
+
+
+def test_expiry_through_reconciler_keeps_partial_results(any_db, store):
+    bid, (s1,) = make_running_batch(any_db, store, 3, 1)
+    lease = claim_shard(s1, "w", 30, db_url=any_db)
+    first = pending_requests(lease, db_url=any_db)[0]
+    write_results(lease, [ok(first.id)], 30, db_url=any_db)
+    with session_scope(any_db) as s:
+        expires = s.get(Batch, bid).expires_at
+    acts = reconcile(db_url=any_db, now=expires + 1)
+    assert bid in acts.finalize
+    with pytest.raises(LeaseLost):
+        write_results(lease, [ok(r.id) for r in pending_requests(lease, db_url=any_db)] or [ok(first.id)], 30,
+                      db_url=any_db)
+    result = finalize_batch(bid, store=store, db_url=any_db)
+    assert (result.status, result.output_lines, result.error_lines) == ("expired", 1, 2)
+    with session_scope(any_db) as s:
+        b = s.get(Batch, bid)
+        assert b.expired_at is not None and b.status == "expired"
+    errs = read_jsonl(store, bid, b.error_file_id, any_db)
+    assert [e["error"]["code"] for e in errs] == ["batch_expired", "batch_expired"]
+
+
+def test_reconciler_resends_lost_messages_and_gives_up_after_max_attempts(any_db, store, settings_env, tmp_path):
+    settings = settings_env(storage_dir=tmp_path / "objects", max_shard_attempts=2, requeue_pending_after_seconds=5)
+    bid, (shard,) = make_running_batch(any_db, store, 2, 1)
+    now = time.time()
+    assert reconcile(settings=settings, db_url=any_db, now=now).run_shards == []  # message is fresh
+    assert reconcile(settings=settings, db_url=any_db, now=now + 10).run_shards == [shard]  # lost wake-up
+    assert reconcile(settings=settings, db_url=any_db, now=now + 11).run_shards == []  # just re-sent
+    for attempt in (1, 2):
+        lease = claim_shard(shard, f"w{attempt}", 1, db_url=any_db, now=now + 20 * attempt)
+        assert lease.attempt == attempt
+        acts = reconcile(settings=settings, db_url=any_db, now=now + 20 * attempt + 5)
+    # the second expired lease hit max_shard_attempts: requests drained, batch ready to finalize
+    assert acts.run_shards == [] and acts.finalize == [bid]
+    assert finalize_batch(bid, store=store, db_url=any_db).status == "completed"
+    with session_scope(any_db) as s:
+        codes = s.scalars(select(Request.error_code).where(Request.batch_id == bid)).all()
+    assert codes == ["shard_failed", "shard_failed"]

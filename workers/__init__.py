@@ -1,0 +1,1 @@
+"""Celery app, tasks and the per-process engine host."""
