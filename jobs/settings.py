@@ -65,6 +65,10 @@ class Settings(BaseSettings):
     broker_visibility_timeout: int = 6 * 3600    # Redis: longer than the longest shard
     broker_polling_interval: float = 0.1         # filesystem:// broker
 
+    # --- API (issue 5, API surface) ----------------------------------------------------
+    bootstrap_key: Optional[str] = None          # made a valid key of bootstrap_project at start-up
+    bootstrap_project: str = "default"
+
     # --- cost accounting and schedules (issue 6) ------------------------------------
     # Instance price per hour per device kind ("cpu", "cuda", or an exact device name such as
     # "cuda:0"; "default" catches the rest). Env: NIGHTSHIFT_INSTANCE_USD_PER_HOUR='{"cuda": 2.5}'
