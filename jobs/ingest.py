@@ -15,7 +15,8 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from jobs.models import REQUEST_COPY_COLUMNS, Batch, BatchStatus, File, Request, RequestStatus, Shard
-from jobs.openai_mapping import RequestBodyError, planned_max_tokens, prompt_token_ids, requested_max_tokens
+from jobs.openai_mapping import (CHAT, RequestBodyError, chat_messages, planned_max_tokens, prompt_token_ids,
+                                 requested_max_tokens)
 from jobs.settings import Settings, get_settings
 from jobs.sharding import plan_shards
 from jobs.validation import ValidationResult, validate_lines
@@ -64,22 +65,44 @@ def _stored_max_tokens(body: dict[str, Any]) -> Optional[int]:
     return value if value is not None and -2**31 < value < 2**31 else None
 
 
+def _encode_many(tokenizer, texts: list[str]) -> list[list[int]]:  # noqa: ANN001
+    """Encode many texts at once when the tokenizer exposes its `tokenizers` backend (Rust,
+    parallel); same ids as encoding one by one."""
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None and hasattr(backend, "encode_batch"):
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+
 def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer, settings: Settings) -> list[list[int]]:  # noqa: ANN001
-    """Prompt token ids per valid line; a line whose prompt cannot be built becomes a validation error."""
-    token_ids: list[list[int]] = []
-    total = 0
-    for vl in result.lines:
+    """Prompt token ids per valid line; a line whose prompt cannot be built becomes a validation error.
+
+    Chat prompts are rendered with the model's template, then encoded in batches (the same ids
+    as ``apply_chat_template``, which is render + encode without special tokens)."""
+    token_ids: list[list[int]] = [[] for _ in result.lines]
+    batched = endpoint == CHAT and hasattr(tokenizer, "render_chat") and hasattr(tokenizer, "backend")
+    pending: list[tuple[int, str]] = []
+
+    def encode_pending() -> None:
+        for (i, _), ids in zip(pending, _encode_many(tokenizer, [t for _, t in pending])):
+            token_ids[i] = ids
+        pending.clear()
+
+    for i, vl in enumerate(result.lines):
         try:
-            ids = prompt_token_ids(vl.body, endpoint, tokenizer)
+            if batched:
+                pending.append((i, tokenizer.render_chat(chat_messages(vl.body), add_generation_prompt=True)))
+                if len(pending) >= 2048:
+                    encode_pending()
+            else:
+                token_ids[i] = prompt_token_ids(vl.body, endpoint, tokenizer)
         except RequestBodyError as e:
             result.add_error(e.code, e.message, f"body.{e.param}" if e.param else "body", vl.line)
-            ids = []
         except Exception as e:  # the chat template itself refused these messages
             result.add_error("invalid_request", f"The messages could not be formatted with the model's chat "
                              f"template: {e}", "body.messages", vl.line)
-            ids = []
-        total += len(ids)
-        token_ids.append(ids)
+    encode_pending()
+    total = sum(len(t) for t in token_ids)
     if total > settings.max_batch_tokens:
         result.add_error("token_limit_exceeded", f"The batch has {total} prompt tokens; the limit is "
                          f"{settings.max_batch_tokens}.", None, None)
