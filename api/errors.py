@@ -1,0 +1,108 @@
+"""OpenAI error envelope: every error answer is {"error": {message, type, param, code}}.
+
+The official client unwraps ``body["error"]`` and maps the status code to a typed
+exception (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, ...).
+It retries 409 and >=500 unless the answer carries ``x-should-retry: false``, so
+conflicts are sent with that header: repeating the call would not change the answer.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jobs.errors import Conflict, InvalidInput, NotFound
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+}
+
+
+class APIError(Exception):
+    """An error the API answers in OpenAI's shape."""
+
+    def __init__(self, status_code: int, message: str, *, param: Optional[str] = None,
+                 code: Optional[str] = None, type: Optional[str] = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or _TYPE_BY_STATUS.get(status_code, "server_error")
+
+
+def error_body(status_code: int, message: str, *, param=None, code=None, type=None) -> dict:
+    return {"error": {"message": message,
+                      "type": type or _TYPE_BY_STATUS.get(status_code, "server_error"),
+                      "param": param, "code": code}}
+
+
+def _response(status_code: int, body: dict, headers: Optional[dict] = None) -> JSONResponse:
+    headers = dict(headers or {})
+    if status_code < 500:
+        headers.setdefault("x-should-retry", "false")
+    return JSONResponse(body, status_code=status_code, headers=headers)
+
+
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return _response(exc.status_code, error_body(exc.status_code, exc.message, param=exc.param,
+                                                 code=exc.code, type=exc.type))
+
+
+def _param_of(loc: tuple) -> Optional[str]:
+    # loc is e.g. ("body", "metadata", "tags") or ("query", "limit"); OpenAI names the field.
+    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "path", "header") else [
+        str(p) for p in loc]
+    return ".".join(parts) or None
+
+
+async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
+    return _response(404, error_body(404, str(exc), param=exc.param, code="not_found"))
+
+
+async def _invalid_input(_: Request, exc: InvalidInput) -> JSONResponse:
+    return _response(400, error_body(400, exc.message, param=exc.param, code=exc.code))
+
+
+async def _conflict(_: Request, exc: Conflict) -> JSONResponse:
+    return _response(409, error_body(409, exc.message, code=exc.code))
+
+
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    param = _param_of(tuple(first.get("loc", ())))
+    message = f"Invalid value for '{param}': {first.get('msg')}." if param else str(first.get("msg"))
+    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
+    if first.get("type") == "missing" and param:
+        message = f"Missing required parameter: '{param}'."
+    return _response(400, error_body(400, message, param=param, code=code))
+
+
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+    return _response(exc.status_code, error_body(exc.status_code, message), getattr(exc, "headers", None))
+
+
+async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    return _response(500, error_body(500, "The server had an error while processing your request.",
+                                     type="server_error"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(NotFound, _not_found)
+    app.add_exception_handler(InvalidInput, _invalid_input)
+    app.add_exception_handler(Conflict, _conflict)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)

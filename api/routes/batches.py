@@ -1,0 +1,71 @@
+"""/v1/batches: create, list, retrieve, cancel."""
+from __future__ import annotations
+
+from typing import Optional
+
+from fastapi import APIRouter, Query
+
+from api.deps import ProjectDep, SessionDep, SettingsDep
+from api.schemas.batches import BatchCreate, BatchObject
+from api.schemas.common import ListPage
+from jobs import batch_queries
+from jobs.batches import BatchProgress, batch_progress
+from jobs.models import Batch
+from workers.dispatch import enqueue_cancel, enqueue_ingest
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+
+def _ts(value: Optional[float]) -> Optional[int]:
+    return int(value) if value is not None else None
+
+
+def batch_object(batch: Batch, progress: BatchProgress) -> BatchObject:
+    return BatchObject(
+        id=batch.id, endpoint=batch.endpoint, model=batch.model, errors=batch.errors,
+        input_file_id=batch.input_file_id, completion_window=batch.completion_window, status=batch.status,
+        output_file_id=batch.output_file_id, error_file_id=batch.error_file_id,
+        created_at=int(batch.created_at), in_progress_at=_ts(batch.in_progress_at),
+        expires_at=_ts(batch.expires_at), finalizing_at=_ts(batch.finalizing_at),
+        completed_at=_ts(batch.completed_at), failed_at=_ts(batch.failed_at), expired_at=_ts(batch.expired_at),
+        cancelling_at=_ts(batch.cancelling_at), cancelled_at=_ts(batch.cancelled_at),
+        request_counts=progress.request_counts(), usage=progress.usage(), metadata=batch.metadata_,
+        progress=progress.progress())
+
+
+def _one(session, batch: Batch) -> BatchObject:  # noqa: ANN001
+    return batch_object(batch, batch_progress(session, [batch])[batch.id])
+
+
+@router.post("", response_model=BatchObject)
+def create_batch(body: BatchCreate, project_id: ProjectDep, session: SessionDep,
+                 settings: SettingsDep) -> BatchObject:
+    batch = batch_queries.create_batch(
+        session, settings, project_id=project_id, input_file_id=body.input_file_id, endpoint=body.endpoint,
+        completion_window=body.completion_window, metadata=body.metadata,
+        output_expires_after_seconds=body.output_expires_after.seconds if body.output_expires_after else None)
+    session.commit()
+    enqueue_ingest(batch.id)  # after the commit: the worker must find the row
+    return _one(session, batch)
+
+
+@router.get("", response_model=ListPage[BatchObject])
+def list_batches(project_id: ProjectDep, session: SessionDep, after: Optional[str] = None,
+                 limit: int = Query(20, ge=1, le=100)) -> ListPage[BatchObject]:
+    batches, has_more = batch_queries.list_batches(session, project_id, after=after, limit=limit)
+    progress = batch_progress(session, batches)
+    return ListPage[BatchObject].of([batch_object(b, progress[b.id]) for b in batches], has_more)
+
+
+@router.get("/{batch_id}", response_model=BatchObject)
+def retrieve_batch(batch_id: str, project_id: ProjectDep, session: SessionDep) -> BatchObject:
+    return _one(session, batch_queries.get_batch(session, project_id, batch_id))
+
+
+@router.post("/{batch_id}/cancel", response_model=BatchObject)
+def cancel_batch(batch_id: str, project_id: ProjectDep, session: SessionDep) -> BatchObject:
+    batch = batch_queries.cancel_batch(session, project_id, batch_id)
+    session.commit()
+    if batch.status == "cancelling":
+        enqueue_cancel(batch.id)
+    return _one(session, batch)

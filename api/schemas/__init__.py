@@ -1,0 +1,1 @@
+"""Pydantic request/response schemas, field for field as the official openai client models them."""

@@ -1,0 +1,140 @@
+"""Running the real service for API and end-to-end tests: the API as a uvicorn subprocess
+(and, for end-to-end runs, real Celery workers), configured only through NIGHTSHIFT_* env,
+exactly as in production. Test modules import the fixtures they use from here."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def service_env(home: Path, **values) -> dict[str, str]:
+    """A clean environment for service subprocesses: no inherited NIGHTSHIFT_* except the model cache."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTSHIFT_") or k == "NIGHTSHIFT_MODEL_CACHE"}
+    env["NIGHTSHIFT_HOME"] = str(home)
+    env["PYTHONPATH"] = str(REPO)
+    env.update({f"NIGHTSHIFT_{k.upper()}": str(v) for k, v in values.items() if v is not None})
+    return env
+
+
+class Service:
+    """Child processes started by a test; stopped (and waited for) at teardown."""
+
+    def __init__(self, env: dict[str, str], log_dir: Path):
+        self.env = env
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")
+        proc = subprocess.Popen(argv, env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start_api(self, port: int) -> str:
+        self.start("api", [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory",
+                           "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
+        base = f"http://127.0.0.1:{port}"
+        wait_http(f"{base}/health", self.procs["api"], self.log("api"))
+        return f"{base}/v1"
+
+    def start_worker(self, queue: str, beat: bool = False) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", queue, "-c", "1",
+                "-n", f"{queue}-{uuid.uuid4().hex[:6]}@%h", "--loglevel", "INFO"] + (["--beat"] if beat else [])
+        return self.start(f"worker-{queue}", argv)
+
+    def log(self, name: str) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-4000:] if path.exists() else ""
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def wait_http(url: str, proc: subprocess.Popen, log_text: str = "", timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+def s3_env(endpoint: str, bucket: str) -> dict:
+    return {"object_store": "s3", "s3_bucket": bucket, "s3_endpoint_url": endpoint, "s3_region": "us-east-1",
+            "s3_access_key_id": "test", "s3_secret_access_key": "test", "s3_addressing_style": "path"}
+
+
+def new_bucket(endpoint: str) -> str:
+    import boto3
+
+    name = f"nightshift-api-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
+                 aws_secret_access_key="test").create_bucket(Bucket=name)
+    return name
+
+
+def make_key(db_url: str, project: str) -> str:
+    from jobs.keys import create_key
+    from storage.db import session_scope
+
+    with session_scope(db_url) as session:
+        return create_key(session, project)[1]
+
+
+def openai_client(base_url: str, key: str, **kwargs):  # noqa: ANN201
+    import openai
+
+    return openai.OpenAI(base_url=base_url, api_key=key, max_retries=0, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def api_service(pg_url, s3_server, tmp_path_factory):
+    """The API alone (no workers) on a fresh port, on the session's Postgres and moto S3, with
+    small limits so the limit checks can be exercised. Messages go to a filesystem broker."""
+    home = tmp_path_factory.mktemp("api-home")
+    env = service_env(home, database_url=pg_url, max_lines=50, max_file_bytes=64 * 1024,
+                      **s3_env(s3_server, new_bucket(s3_server)))
+    service = Service(env, home)
+    try:
+        service.base_url = service.start_api(free_port())
+        service.db_url = pg_url
+        yield service
+    finally:
+        service.stop()
+
+
+def project_client(service, name: Optional[str] = None):  # noqa: ANN001, ANN201
+    """An openai client holding a new key of a new project."""
+    return openai_client(service.base_url, make_key(service.db_url, name or f"proj-{uuid.uuid4().hex[:8]}"))
