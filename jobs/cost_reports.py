@@ -167,8 +167,9 @@ def costs_by_day(session: Session, project_id: str, *, start: float, end: float,
         entry["cached_prompt_tokens"] += int(r.cached_tokens)
         entry["completion_tokens"] += int(r.completion_tokens)
         entry["engine_seconds"].append(float(r.engine_seconds))
-        if r.engine_seconds:
-            entry["cost_usd"].append(float(r.engine_seconds) * prices.hourly_price(r.device) / 3600.0)
+        price = prices.hourly_price(r.device)
+        if r.engine_seconds and price is not None:
+            entry["cost_usd"].append(float(r.engine_seconds) * price / 3600.0)
     data = []
     for entry in days.values():
         entry["engine_seconds"] = math.fsum(entry["engine_seconds"])

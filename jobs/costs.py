@@ -34,9 +34,10 @@ class Prices:
     online_cached_input_usd_per_1m: float
     online_output_usd_per_1m: float
 
-    def hourly_price(self, device: Optional[str]) -> float:
+    def hourly_price(self, device: Optional[str]) -> Optional[float]:
         """Price of the device a request ran on: exact name, then its kind before ':'
-        ("cuda:0" -> "cuda"), then the "default" entry."""
+        ("cuda:0" -> "cuda"), then the "default" entry; None when none is configured (the
+        report then lists the device under `unpriced_devices` instead of failing finalize)."""
         table = self.instance_usd_per_hour
         if device:
             if device in table:
@@ -46,10 +47,7 @@ class Prices:
                 return float(table[kind])
         if "default" in table:
             return float(table["default"])
-        raise ValueError(
-            f"no instance price for device {device!r}: set NIGHTSHIFT_INSTANCE_USD_PER_HOUR "
-            f"with an entry for it or a 'default' entry (known: {sorted(table)})"
-        )
+        return None
 
     def as_dict(self) -> dict:
         return {
@@ -85,9 +83,10 @@ class RequestUsage:
 
 
 def request_cost_usd(usage: RequestUsage, prices: Prices) -> float:
-    if usage.engine_seconds <= 0:
+    price = prices.hourly_price(usage.device)
+    if usage.engine_seconds <= 0 or price is None:
         return 0.0
-    return usage.engine_seconds * prices.hourly_price(usage.device) / 3600.0
+    return usage.engine_seconds * price / 3600.0
 
 
 def online_cost_usd(prompt_tokens: int, cached_prompt_tokens: int, completion_tokens: int,
@@ -199,6 +198,9 @@ def build_cost_report(usages: Sequence[RequestUsage], prices: Prices, *,
                                    if online_usd else None),
         },
         "prices": prices.as_dict(),
+        # devices with engine time but no configured price: their time is not in cost.usd
+        "unpriced_devices": sorted(d for d, t in per_device.items()
+                                   if prices.hourly_price(None if d == "unknown" else d) is None),
         "timeline": build_timeline(usages, prices),
     }
 
@@ -245,12 +247,12 @@ def cost_csv(usages: Iterable[RequestUsage], prices: Prices) -> bytes:
     writer.writerow(CSV_COLUMNS)
     for u in sorted(usages, key=lambda u: u.line):
         queue = u.queue_seconds
-        price = prices.hourly_price(u.device) if (u.device or u.engine_seconds > 0) else ""
+        price = prices.hourly_price(u.device) if (u.device or u.engine_seconds > 0) else None
         writer.writerow([
             u.line, u.custom_id, u.status, u.prompt_tokens, u.cached_prompt_tokens,
             u.completion_tokens, repr(float(u.engine_seconds)),
             "" if queue is None else repr(queue), u.worker or "", u.device or "",
-            price if price == "" else repr(price), repr(request_cost_usd(u, prices)),
+            "" if price is None else repr(price), repr(request_cost_usd(u, prices)),
             repr(online_cost_usd(u.prompt_tokens, u.cached_prompt_tokens,
                                  u.completion_tokens, prices)),
             _iso(u.started_at), _iso(u.finished_at),

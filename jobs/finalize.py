@@ -16,6 +16,7 @@ import orjson
 from sqlalchemy import select, update
 
 from jobs.batches import drain_batch, final_status
+from jobs.finalize_hooks import after_finalize
 from jobs.ids import batch_request_id, derived_id, response_request_id
 from jobs.models import Batch, BatchStatus, File, Request, RequestStatus
 from storage.db import session_scope
@@ -128,6 +129,8 @@ def finalize_batch(batch_id: str, *, store: Optional[ObjectStore] = None, db_url
         if res.rowcount != 1:
             s.rollback()
             return FinalizeOutcome(s.get(Batch, batch_id).status)
+        # issue 6: cost.json/cost.csv and a scheduled run's index outputs, in this transaction
+        after_finalize(s, store, s.get(Batch, batch_id), now=now)
     log.info("finalized batch %s -> %s (%d output, %d error lines)", batch_id, target, splitter.output_lines,
              splitter.error_lines)
     return FinalizeOutcome(target, splitter.output_lines, splitter.error_lines)

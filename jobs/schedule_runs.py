@@ -239,3 +239,29 @@ def finished_submitted_runs(session: Session) -> list[str]:
     return list(session.scalars(
         select(ScheduleRun.batch_id).join(Batch, Batch.id == ScheduleRun.batch_id)
         .where(ScheduleRun.status == RunStatus.SUBMITTED, Batch.status.in_(BatchStatus.TERMINAL))))
+
+
+@dataclass
+class TickResult:
+    fired: list[str]        # new runs to start
+    restart: list[str]      # runs still PENDING long after firing (start message lost)
+    published: list[str]    # batches whose results were published by this tick
+
+
+def schedule_tick(session_factory: SessionFactory, store: ObjectStore, *, now: float,
+                  settings: Optional[Settings] = None) -> TickResult:
+    """One beat tick: fire due schedules, find runs whose start was lost, and publish the
+    results of finished scheduled batches that finalize did not publish (safety net)."""
+    from jobs.schedules import fire_due_schedules, stale_pending_runs
+
+    settings = settings or get_settings()
+    fired = fire_due_schedules(session_factory, now)
+    with session_factory() as session:
+        stale = stale_pending_runs(session, now, settings.schedule_start_retry_seconds)
+        finished = finished_submitted_runs(session)
+    published = []
+    for batch_id in finished:
+        with session_factory() as session, session.begin():
+            if publish_batch_results(session, store, batch_id, now=now):
+                published.append(batch_id)
+    return TickResult(fired, [r for r in stale if r not in fired], published)

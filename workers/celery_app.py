@@ -20,6 +20,8 @@ TASK_FINALIZE = "nightshift.finalize"
 TASK_CANCEL = "nightshift.cancel"
 TASK_RECONCILE = "nightshift.reconcile"
 TASK_EXPIRE = "nightshift.expire"
+TASK_SCHEDULES_TICK = "nightshift.schedules.tick"        # workers/schedule_tasks.py (issue 6)
+TASK_SCHEDULE_START_RUN = "nightshift.schedules.start_run"
 
 
 def celery_config(settings: Settings) -> dict:
@@ -40,6 +42,7 @@ def celery_config(settings: Settings) -> dict:
         "beat_schedule": {
             "reconcile": {"task": TASK_RECONCILE, "schedule": settings.reconcile_interval_seconds},
             "expire": {"task": TASK_EXPIRE, "schedule": settings.expire_interval_seconds},
+            "schedules": {"task": TASK_SCHEDULES_TICK, "schedule": settings.schedule_tick_seconds},
         },
     }
     if settings.is_embedded_broker:
@@ -62,7 +65,7 @@ def celery_config(settings: Settings) -> dict:
 def make_celery(settings: Settings | None = None) -> Celery:
     app = Celery("nightshift")
     app.conf.update(celery_config(settings or get_settings()))
-    app.conf.imports = ("workers.tasks",)
+    app.conf.imports = ("workers.tasks", "workers.schedule_tasks")
     return app
 
 

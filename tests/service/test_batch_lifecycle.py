@@ -106,7 +106,7 @@ def test_finalize_writes_line_ordered_files_and_is_idempotent(any_db, store):
     with session_scope(any_db) as s:
         b = s.get(Batch, bid)
         assert (b.output_file_id, b.error_file_id) == (out_id, err_id)
-        assert s.query(File).filter(File.purpose == "batch_output").count() == 2
+        assert s.query(File).filter(File.purpose == "batch_output").count() == 4  # output, errors, cost.json, cost.csv
     assert read_jsonl(store, bid, out_id, any_db) == out
     assert finalize_batch(bid, store=store, db_url=any_db).status == "completed"  # terminal: no-op
 

@@ -68,8 +68,14 @@ def test_device_price_lookup_and_missing_price():
     prices = Prices({"cuda": 2.0, "default": 1.0}, 0, 0, 0)
     assert prices.hourly_price("cuda:1") == 2.0
     assert prices.hourly_price("cpu") == 1.0
-    with pytest.raises(ValueError, match="no instance price for device 'tpu'"):
-        request_cost_usd(usage(1, device="tpu"), Prices({"cpu": 1.0}, 0, 0, 0))
+    # an unpriced device does not break finalize: it is listed, and costs nothing in the sum
+    unpriced = Prices({"cpu": 1.0}, 0, 0, 0)
+    assert request_cost_usd(usage(1, device="tpu"), unpriced) == 0.0
+    report = build_cost_report([usage(1, device="tpu"), usage(2, device="cpu", secs=36.0)],
+                               unpriced, batch_id="b")
+    assert report["unpriced_devices"] == ["tpu"]
+    assert report["cost"]["usd"] == 0.01
+    assert build_cost_report([usage(1)], PRICES, batch_id="b")["unpriced_devices"] == []
 
 
 def test_empty_batch_report():
