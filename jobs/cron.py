@@ -15,16 +15,16 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
 
+from jobs.errors import InvalidInput
+
 _EPSILON = timedelta(microseconds=1)
 
 
-class InvalidScheduleError(ValueError):
-    """A cron expression or timezone that cannot be used; `param` names the field."""
+class InvalidScheduleError(InvalidInput):
+    """A schedule field that cannot be used; `param` names it (the API answers 400)."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-        self.message = message
+        super().__init__(message, param, "invalid_value")
 
 
 def parse_timezone(name: str) -> ZoneInfo:

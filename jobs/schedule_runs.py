@@ -3,8 +3,8 @@ input file, create the batch) and publish (write one output per document under t
 prefix, record what was indexed, write the manifest).
 
 Both steps lock the run row and check its status first, so a duplicated Celery message or
-a second caller does nothing; ids of the run's file and batch are derived from the run id,
-so even a retried start cannot create a second batch.
+a second caller does nothing: the batch is created in the same transaction that moves the
+run from PENDING to SUBMITTED.
 """
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from jobs.ids import derived_id
+from jobs.batch_queries import create_batch
+from jobs.errors import InvalidInput
+from jobs.files import create_file
 from jobs.models import Batch, BatchStatus, File, Request, RequestStatus
 from jobs.reindex import (TemplateRenderError, build_manifest, content_hash, manifest_key,
                           output_document, output_key, render_body, request_line, select_changed)
@@ -28,7 +30,6 @@ from storage.listing import list_keys
 from storage.objectstore import ObjectStore, iter_lines
 
 SessionFactory = Callable[[], Session]
-WINDOW_SECONDS = {"24h": 24 * 3600}
 
 
 class RunInputError(ValueError):
@@ -142,26 +143,21 @@ def start_run(session_factory: SessionFactory, store: ObjectStore, run_id: str, 
         if not collected.changed:
             _publish(session, store, schedule, run, batch=None, now=now)
             return None
-        file_id = derived_id("file-", run.id, "input")
-        object_key = f"schedules/{schedule.id}/{run.id}/input.jsonl"
-        size = store.put_stream(object_key, collected.spool)
-        session.add(File(id=file_id, project_id=schedule.project_id,
-                         filename=f"{schedule.name}-{run.id}.jsonl", purpose="batch", bytes=size,
-                         object_key=object_key, status="processed", line_count=len(collected.changed),
-                         created_at=now))
-        session.flush()
-        batch_id = derived_id("batch_", run.id)
         metadata = dict(schedule.metadata_ or {})
         metadata.update({"schedule_id": schedule.id, "schedule_run_id": run.id})
-        session.add(Batch(id=batch_id, project_id=schedule.project_id, input_file_id=file_id,
-                          endpoint=schedule.endpoint, completion_window=schedule.completion_window,
-                          status=BatchStatus.VALIDATING, metadata_=metadata, created_at=now,
-                          expires_at=now + WINDOW_SECONDS.get(schedule.completion_window,
-                                                              settings.completion_window_seconds),
-                          last_enqueued_at=now))
-        session.flush()
-        run.batch_id, run.input_file_id, run.status = batch_id, file_id, RunStatus.SUBMITTED
-        return batch_id
+        try:
+            # the same two steps as POST /v1/files + POST /v1/batches
+            file = create_file(session, store, settings, project_id=schedule.project_id,
+                               filename=f"{schedule.name}-{run.id}.jsonl", purpose="batch",
+                               source=collected.spool)
+            batch = create_batch(session, settings, project_id=schedule.project_id,
+                                 input_file_id=file.id, endpoint=schedule.endpoint,
+                                 completion_window=schedule.completion_window, metadata=metadata)
+        except InvalidInput as exc:   # e.g. more changed documents than a batch may hold
+            run.status, run.error, run.finished_at = RunStatus.FAILED, exc.message, now
+            return None
+        run.batch_id, run.input_file_id, run.status = batch.id, file.id, RunStatus.SUBMITTED
+        return batch.id
 
 
 def _upsert_indexed(session: Session, values: dict) -> None:

@@ -19,6 +19,7 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from jobs.errors import Conflict, NotFound
 from jobs.cron import InvalidScheduleError, due_time_to_fire, next_due_after, validate_cron
 from jobs.ids import new_id
 from jobs.models import File
@@ -29,11 +30,12 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 SessionFactory = Callable[[], Session]
 
 
-class ScheduleNotFound(LookupError):
-    pass
+class ScheduleNotFound(NotFound):
+    def __init__(self, schedule_id: str):
+        super().__init__("schedule", schedule_id)
 
 
-class ScheduleConflict(ValueError):
+class ScheduleConflict(Conflict):
     pass
 
 
@@ -85,8 +87,12 @@ def _check_fields(*, name: str, cron: str, timezone_name: str, endpoint: str,
         raise InvalidScheduleError("endpoint", f"endpoint must be one of {list(ENDPOINTS)}")
     if completion_window != "24h":
         raise InvalidScheduleError("completion_window", "completion_window must be '24h'")
-    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16):
-        raise InvalidScheduleError("metadata", "metadata must be an object of at most 16 pairs")
+    # each run's batch adds schedule_id and schedule_run_id to these (OpenAI's limit is 16)
+    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 14 or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+            for k, v in metadata.items())):
+        raise InvalidScheduleError("metadata", "metadata must be an object of at most 14 string pairs "
+                                               "(keys up to 64, values up to 512 characters)")
 
 
 def create_schedule(session: Session, *, project_id: str, name: str, cron: str,

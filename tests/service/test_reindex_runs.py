@@ -204,3 +204,15 @@ def test_stored_jsonl_file_source_is_incremental_by_line(pg_db, store, settings_
     run2, batch2 = fire_and_start(sm, store, ts(22))
     assert batch2 is None and run_row(sm, run2).documents_total == 3
     assert sorted(manifest(store)["documents"]) == ["q0", "q1", "q2"]
+
+
+def test_too_many_changed_documents_fail_the_run_not_the_tick(pg_db, store, settings_env):
+    settings = settings_env(max_lines=2)
+    sm = get_sessionmaker(pg_db)
+    setup_schedule(sm, store)            # three documents, batches may hold two lines
+    [run_id] = fire_due_schedules(sm, ts(21))
+    assert start_run(sm, store, run_id, now=ts(21), settings=settings) is None
+    run = run_row(sm, run_id)
+    assert run.status == RunStatus.FAILED and "2" in run.error and run.batch_id is None
+    with sm() as s:
+        assert s.scalars(select(File).where(File.purpose == "batch")).all() == []
