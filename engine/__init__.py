@@ -1,0 +1,11 @@
+"""Nightshift's own LLM engine (see DESIGN.md §3). Usable on its own: `from engine import Engine`."""
+from engine.loader import load_model, resolve_model
+from engine.model_runner import ModelRunner, StepItem
+from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.types import (EngineStats, GenerationOutput, GenerationRequest, InvalidRequestError, RequestError,
+                          SamplingParams)
+
+__all__ = [
+    "EngineStats", "GenerationOutput", "GenerationRequest", "InvalidRequestError", "ModelRunner", "RequestError",
+    "SamplingParams", "StepItem", "Tokenizer", "load_model", "load_tokenizer", "resolve_model",
+]

@@ -1,0 +1,1 @@
+"""Building blocks of the model: linear layers (the INT4 seam)."""

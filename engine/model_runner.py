@@ -1,0 +1,163 @@
+"""ModelRunner: owns the paged KV pool and runs one flat varlen batch through the model per step.
+
+`execute(items)` takes every scheduled sequence's new tokens for this step, concatenates them
+into one batch (decode items first, sorted by context length, then prefill chunks), writes their
+K/V into the pool by slot mapping, attends per sequence over its valid positions only, and
+returns float32 logits for the last new token of each item that asks for them, in item order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from engine.config import ModelConfig
+
+
+@dataclass
+class StepItem:
+    token_ids: list[int]          # new tokens of this sequence to process this step
+    start_pos: int                # tokens of this sequence already in the KV cache
+    block_table: list[int]        # KV blocks of the sequence, in position order
+    need_logits: bool = True      # return logits for the last new token
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V, all layers, for one block of `block_size` tokens."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+
+
+class ModelRunner:
+    """decode_bucket: decode sequences whose context lengths round up to the same multiple of
+    this many tokens share one masked attention call (1 = only exactly equal lengths share;
+    larger buckets trade a little masked-out work for fewer per-op calls)."""
+
+    def __init__(self, model, num_kv_blocks: int, block_size: int = 16, decode_bucket: int = 64):
+        if num_kv_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_kv_blocks ({num_kv_blocks}) and block_size ({block_size}) must be >= 1")
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.dtype: torch.dtype = model.dtype
+        self.device: torch.device = model.embed_tokens.device
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self.decode_bucket = max(1, decode_bucket)
+        shape = (num_kv_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.config.num_layers)]
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return kv_bytes_per_block(self.config, self.block_size, self.dtype)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @torch.inference_mode()
+    def execute(self, items: list[StepItem]) -> torch.Tensor:
+        """float32 logits `[number of items with need_logits, vocab_size]`, in item order."""
+        if not items:
+            raise ValueError("execute() needs at least one StepItem")
+        for index, item in enumerate(items):
+            self._check(index, item)
+        decode = sorted((i for i, it in enumerate(items) if len(it.token_ids) == 1 and it.start_pos > 0),
+                        key=lambda i: items[i].start_pos)
+        decode_set = set(decode)
+        prefill = [i for i in range(len(items)) if i not in decode_set]
+        order = decode + prefill
+
+        token_ids: list[int] = []
+        positions: list[int] = []
+        last_row = {}
+        for i in order:
+            item = items[i]
+            token_ids.extend(item.token_ids)
+            positions.extend(range(item.start_pos, item.start_pos + len(item.token_ids)))
+            last_row[i] = len(token_ids) - 1
+        device = self.device
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+
+        meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
+        slot_parts = []
+        row = 0
+        for group in self._decode_groups(items, decode):
+            tables = self._block_tables([items[i].block_table for i in group])
+            lengths = torch.tensor([items[i].start_pos + 1 for i in group], dtype=torch.long)
+            width = int(lengths.max())
+            slots = self._slots(tables, torch.arange(width).expand(len(group), width))
+            slot_parts.append(slots[torch.arange(len(group)), lengths - 1])
+            mask = None
+            if int(lengths.min()) != width:
+                valid = torch.arange(width)[None, :] < lengths[:, None]
+                slots = torch.where(valid, slots, torch.zeros_like(slots))
+                mask = valid[:, None, None, :].to(device)
+            meta.decode_groups.append(DecodeGroup(row, row + len(group), slots.to(device), mask))
+            row += len(group)
+        for i in prefill:
+            item = items[i]
+            n, start = len(item.token_ids), item.start_pos
+            table = self._block_tables([item.block_table])[0]
+            context = self._slots(table, torch.arange(start + n))
+            slot_parts.append(context[start:])
+            span = PrefillSpan(row, row + n, start, None, None)
+            if start > 0:
+                span.context_slots = context.to(device)
+                span.mask = (torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]).to(device)
+            meta.prefills.append(span)
+            row += n
+        meta.slot_mapping = torch.cat(slot_parts).to(device)
+
+        wanted = [last_row[i] for i, item in enumerate(items) if item.need_logits]
+        logits_rows = torch.tensor(wanted, dtype=torch.long, device=device)
+        if not wanted:
+            self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
+            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=device)
+        return self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
+
+    def _decode_groups(self, items: list[StepItem], decode: list[int]) -> list[list[int]]:
+        """Decode item indices (sorted by context length) split into length buckets."""
+        groups: list[list[int]] = []
+        current_key = None
+        for i in decode:
+            key = (items[i].start_pos + 1 + self.decode_bucket - 1) // self.decode_bucket
+            if key != current_key:
+                groups.append([])
+                current_key = key
+            groups[-1].append(i)
+        return groups
+
+    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+
+    def _slots(self, tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pool slots of `positions` given block tables (`tables` [B, nb] with positions [B, L],
+        or one table [nb] with positions [L])."""
+        blocks = torch.gather(tables, -1, positions // self.block_size)
+        return blocks * self.block_size + positions % self.block_size
+
+    def _check(self, index: int, item: StepItem) -> None:
+        n = len(item.token_ids)
+        end = item.start_pos + n
+        where = f"StepItem {index}"
+        if n == 0:
+            raise ValueError(f"{where}: no new tokens")
+        if item.start_pos < 0:
+            raise ValueError(f"{where}: start_pos {item.start_pos} < 0")
+        if end > self.max_model_len:
+            raise ValueError(f"{where}: {end} tokens exceed the model's context of {self.max_model_len}")
+        needed = (end + self.block_size - 1) // self.block_size
+        if len(item.block_table) < needed:
+            raise ValueError(f"{where}: {end} tokens need {needed} blocks, block_table has {len(item.block_table)}")
+        bad = [b for b in item.block_table[:needed] if not 0 <= b < self.num_kv_blocks]
+        if bad:
+            raise ValueError(f"{where}: block ids {bad} outside the pool of {self.num_kv_blocks}")
+        bad_tokens = [t for t in item.token_ids if not 0 <= t < self.config.vocab_size]
+        if bad_tokens:
+            raise ValueError(f"{where}: token ids {bad_tokens[:5]} outside the vocabulary of {self.config.vocab_size}")
