@@ -8,7 +8,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
 from api.errors import error_body, install_error_handlers
-from api.routes import batches, files
+from api.routes import batches, costs, files, schedules
 from jobs.keys import ensure_key
 from jobs.settings import get_settings
 from storage.db import get_engine, session_scope
@@ -45,6 +45,8 @@ def create_app() -> FastAPI:
 
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(costs.router)       # issue 6
+    app.include_router(schedules.router)   # issue 6
 
     @app.get("/health", include_in_schema=False)
     def health() -> dict:
