@@ -6,6 +6,7 @@
   nightshift submit FILE [--endpoint E] [--wait]   upload + create a batch; prints the batch id
   nightshift status BATCH_ID                   the batch object as JSON
   nightshift results BATCH_ID [--which all|output|errors]   result lines to stdout
+  nightshift cost BATCH_ID [--json|--csv] [--html FILE]   the batch's cost report
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import sys
 from typing import Optional
 
 from api.cli_client import BatchClient, resolve_api_key, resolve_base_url
+from api.cli_cost import add_cost_command
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -121,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--which", choices=("all", "output", "errors"), default="all")
     _add_client_options(p)
     p.set_defaults(func=_cmd_results)
+
+    add_cost_command(sub, _add_client_options)   # nightshift cost BATCH_ID (issue 6)
     return parser
 
 

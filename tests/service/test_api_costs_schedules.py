@@ -148,3 +148,26 @@ def test_batch_cost_live_then_stored_html_and_per_day(api_service, tmp_path):  #
     assert stranger.get("/costs", params={"from": "2026-11-21", "to": "2026-11-23"}).json()["data"] == []
     bad = client.get("/costs", params={"from": "yesterday"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "from"
+
+    # the CLI prints the same report
+    import subprocess
+    import sys
+
+    def cli(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "api.cli", "cost", batch_id, "--base-url", api_service.base_url,
+                               "--api-key", key, *extra], capture_output=True, text=True, timeout=60,
+                              env={**api_service.env, "COLUMNS": "120"})
+
+    table = cli()
+    assert table.returncode == 0, table.stderr
+    assert f"cost of {batch_id} (completed)" in table.stdout and "cpu" in table.stdout
+    assert "446" not in table.stdout and "400" in table.stdout and "(32.0%)" in table.stdout
+    assert orjson.loads(cli("--json").stdout)["cost"] == report["cost"]
+    assert cli("--csv").stdout.strip().splitlines() == csv_lines
+    html_path = tmp_path / "cost.html"
+    assert cli("--json", "--html", str(html_path)).returncode == 0
+    assert "<svg" in html_path.read_text()
+    missing = subprocess.run(
+        [sys.executable, "-m", "api.cli", "cost", "batch_nope", "--base-url", api_service.base_url, "--api-key", key],
+        capture_output=True, text=True, timeout=60, env=api_service.env)
+    assert missing.returncode != 0 and "404" in missing.stderr
