@@ -1,7 +1,8 @@
 """/v1/batches: create, list, retrieve, cancel."""
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Callable, Optional
 
 from fastapi import APIRouter, Query
 
@@ -14,6 +15,16 @@ from jobs.models import Batch
 from workers.dispatch import enqueue_cancel, enqueue_ingest
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
+log = logging.getLogger(__name__)
+
+
+def _wake(send: Callable[[str], None], batch_id: str) -> None:
+    """Publish a wake-up after the commit. If the broker is unreachable the batch is still
+    created/cancelled in the database, and the beat reconciler sends the message later."""
+    try:
+        send(batch_id)
+    except Exception:  # noqa: BLE001 - any broker failure; the database already holds the truth
+        log.exception("could not publish %s for %s; the reconciler will retry", send.__name__, batch_id)
 
 
 def _ts(value: Optional[float]) -> Optional[int]:
@@ -45,7 +56,7 @@ def create_batch(body: BatchCreate, project_id: ProjectDep, session: SessionDep,
         completion_window=body.completion_window, metadata=body.metadata,
         output_expires_after_seconds=body.output_expires_after.seconds if body.output_expires_after else None)
     session.commit()
-    enqueue_ingest(batch.id)  # after the commit: the worker must find the row
+    _wake(enqueue_ingest, batch.id)  # after the commit: the worker must find the row
     return _one(session, batch)
 
 
@@ -67,5 +78,5 @@ def cancel_batch(batch_id: str, project_id: ProjectDep, session: SessionDep) -> 
     batch = batch_queries.cancel_batch(session, project_id, batch_id)
     session.commit()
     if batch.status == "cancelling":
-        enqueue_cancel(batch.id)
+        _wake(enqueue_cancel, batch.id)
     return _one(session, batch)

@@ -68,5 +68,4 @@ def file_content(file_id: str, project_id: ProjectDep, session: SessionDep, stor
     row = file_service.get_file(session, project_id, file_id)
     chunks = file_service.file_content(store, row)
     return StreamingResponse(chunks, media_type="application/octet-stream",
-                             headers={"content-length": str(row.bytes),
-                                      "content-disposition": f'attachment; filename="{row.filename}"'})
+                             headers={"content-disposition": f'attachment; filename="{row.filename}"'})
