@@ -71,7 +71,7 @@ def _drain_requests(s: Session, where, code: str, now: float) -> int:  # noqa: A
         return 0
     res = s.execute(update(Request).where(where, Request.status == RequestStatus.PENDING)
                     .values(status=RequestStatus.FAILED, error_code=code, error_message=DRAIN_MESSAGES[code],
-                            finished_at=now))
+                            prompt_tokens=0, finished_at=now))  # never run: no tokens used
     for shard_id, n in per_shard:
         if shard_id is not None:
             s.execute(update(Shard).where(Shard.id == shard_id).values(failed_count=Shard.failed_count + n))
