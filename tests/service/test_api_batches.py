@@ -118,3 +118,20 @@ def test_cancel_rules(api_service):  # noqa: F811
     assert err.value.body["message"] == "Cannot cancel a batch with status 'completed'."
     assert err.value.response.headers["x-should-retry"] == "false"
     assert client.batches.retrieve(done.id).status == "completed"
+
+
+def test_create_answers_even_when_the_broker_is_down(pg_url, s3_server, tmp_path):
+    """The batch row is the truth; the ingest wake-up is re-sent by the reconciler later."""
+    from .api_fixtures import Service, free_port, make_key, new_bucket, openai_client, s3_env, service_env
+
+    dead_broker = f"redis://127.0.0.1:{free_port()}/0"   # nothing listens there
+    env = service_env(tmp_path, database_url=pg_url, broker_url=dead_broker,
+                      **s3_env(s3_server, new_bucket(s3_server)))
+    service = Service(env, tmp_path)
+    try:
+        client = openai_client(service.start_api(free_port()), make_key(pg_url, "broker-down"), timeout=60)
+        batch = new_batch(client)
+        assert client.batches.retrieve(batch.id).status == "validating"
+        assert client.batches.cancel(batch.id).status == "cancelling"
+    finally:
+        service.stop()
