@@ -52,7 +52,9 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """cache positions `slots` (any shape S) -> `[*S, kv_heads, head_dim]`."""
     kv_heads, head_dim = cache.shape[-2:]
-    return cache.view(-1, kv_heads, head_dim)[slots]
+    # index_select, not cache[slots]: advanced indexing is ~10x slower on CPU here
+    flat = cache.view(-1, kv_heads, head_dim).index_select(0, slots.reshape(-1))
+    return flat.view(*slots.shape, kv_heads, head_dim)
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -87,8 +87,11 @@ def run_schedule(runner, sequences, tables, chunk_sizes):
     return results
 
 
-@pytest.mark.parametrize("decode_bucket", [1, 64])
-@pytest.mark.parametrize("chunk_sizes", [[5, 7, 64, 3, 11], [64, 64, 64, 64, 64], [1, 16, 9, 32, 13]])
+@pytest.mark.parametrize("chunk_sizes, decode_bucket", [
+    ([5, 7, 64, 3, 11], 1),        # exact-length decode groups
+    ([1, 16, 9, 32, 13], 64),      # masked (padded) decode groups; 1-token chunks
+    ([64, 64, 64, 64, 64], 64),    # whole prompts in one step
+])
 def test_logits_match_transformers(fp32_model, sequences, reference_logits, chunk_sizes, decode_bucket):
     runner = ModelRunner(fp32_model, num_kv_blocks=64, block_size=BLOCK_SIZE, decode_bucket=decode_bucket)
     tables = scattered_block_tables(sequences, 64)
@@ -109,13 +112,16 @@ def test_logits_in_item_order_and_only_where_asked(fp32_model, sequences, refere
     logits = runner.execute([
         StepItem(c[:4], 0, tables[3], True),                    # fresh prefill
         StepItem([a[-1]], len(a) - 1, tables[0], True),          # decode
-        StepItem(b[10:12], 10, tables[1], False),                # chunk, no logits
-        StepItem(b[12:20], 12, tables[1], True),                 # later chunk of the same sequence? no: separate seq
-    ][:3] + [StepItem(sequences[2][:5], 0, tables[2], True)])
+        StepItem(b[10:12], 10, tables[1], False),                # chunk over a cached prefix, no logits
+        StepItem(sequences[2][:5], 0, tables[2], True),          # another fresh prefill
+    ])
     expected = [reference_logits[3][3], reference_logits[0][len(a) - 1], reference_logits[2][4]]
     assert logits.shape[0] == 3
     for row, ref in zip(logits, expected):
         assert (row - ref).abs().max().item() < TOLERANCE
+    # the no-logits chunk was still written to the cache: continuing b from it matches
+    row = runner.execute([StepItem(b[12:14], 12, tables[1], True)])[0]
+    assert (row - reference_logits[1][13]).abs().max().item() < TOLERANCE
 
 
 def test_bf16_runs_and_agrees_roughly(default_model_path, sequences, reference_logits):
