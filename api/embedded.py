@@ -8,29 +8,16 @@ the same code paths as production, where each part runs on its own machines.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 from jobs.keys import generate_key
 from jobs.settings import Settings, get_settings
+from workers import procs
 
-CELERY = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker"]
-WORKERS = {
-    "gpu": ["-Q", "gpu", "-c", "1", "-n", "gpu@%h"],
-    "cpu": ["-Q", "cpu", "-c", "1", "-n", "cpu@%h", "--beat"],
-}
-
-
-def _die_with_parent() -> None:
-    # A child gets SIGTERM when `serve` dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG).
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
+WORKERS = {"gpu": {"queues": "gpu"}, "cpu": {"queues": "cpu", "beat": True}}
 
 
 def local_key(settings: Settings) -> str:
@@ -48,21 +35,12 @@ def local_key(settings: Settings) -> str:
     return key
 
 
-def start_workers(log_level: str) -> list[subprocess.Popen]:
-    return [subprocess.Popen(CELERY + args + ["--loglevel", log_level.upper()], preexec_fn=_die_with_parent)
-            for args in WORKERS.values()]
-
-
-def stop(children: list[subprocess.Popen], timeout: float = 20.0) -> None:
-    for child in children:
-        if child.poll() is None:
-            child.terminate()
-    for child in children:
-        try:
-            child.wait(timeout)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+def start_workers(home: Path) -> list[subprocess.Popen]:
+    """One worker per queue kind, logging to <home>/logs/<kind>.log (workers.procs)."""
+    logs = home / "logs"
+    logs.mkdir(exist_ok=True)
+    return [procs.start_worker(dict(os.environ), name=kind, log_path=logs / f"{kind}.log", **opts)
+            for kind, opts in WORKERS.items()]
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
@@ -80,11 +58,12 @@ def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") ->
     get_settings.cache_clear()
 
     upgrade_head(settings.resolved_database_url)
-    children = start_workers(log_level)
-    print(f"nightshift: API on http://{host}:{port}/v1, state in {home}, "
-          f"key in NIGHTSHIFT_BOOTSTRAP_KEY or {home / 'api_key'}", file=sys.stderr, flush=True)
+    children = start_workers(home)
+    print(f"nightshift: API on http://{host}:{port}/v1; state, API key and worker logs in {home}",
+          file=sys.stderr, flush=True)
     try:
         uvicorn.run(create_app(), host=host, port=port, log_level=log_level)
     finally:
-        stop(children)
+        for child in children:
+            procs.stop(child)
     return 0

@@ -3,8 +3,6 @@
 exactly as in production. Test modules import the fixtures they use from here."""
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +14,9 @@ from typing import Optional
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from workers import procs
+
+REPO = procs.REPO
 
 
 def free_port() -> int:
@@ -26,12 +26,8 @@ def free_port() -> int:
 
 
 def service_env(home: Path, **values) -> dict[str, str]:
-    """A clean environment for service subprocesses: no inherited NIGHTSHIFT_* except the model cache."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTSHIFT_") or k == "NIGHTSHIFT_MODEL_CACHE"}
-    env["NIGHTSHIFT_HOME"] = str(home)
-    env["PYTHONPATH"] = str(REPO)
-    env.update({f"NIGHTSHIFT_{k.upper()}": str(v) for k, v in values.items() if v is not None})
-    return env
+    """A clean environment for service subprocesses (see workers.procs.service_env) with its own home."""
+    return procs.service_env(home=home, **{k: v for k, v in values.items() if v is not None})
 
 
 class Service:
@@ -53,13 +49,17 @@ class Service:
         self.start("api", [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory",
                            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
         base = f"http://127.0.0.1:{port}"
-        wait_http(f"{base}/health", self.procs["api"], self.log("api"))
+        try:
+            wait_http(f"{base}/health", self.procs["api"])
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}\n{self.log('api')}") from None
         return f"{base}/v1"
 
     def start_worker(self, queue: str, beat: bool = False) -> subprocess.Popen:
-        argv = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", queue, "-c", "1",
-                "-n", f"{queue}-{uuid.uuid4().hex[:6]}@%h", "--loglevel", "INFO"] + (["--beat"] if beat else [])
-        return self.start(f"worker-{queue}", argv)
+        name = f"worker-{queue}"
+        self.procs[name] = procs.start_worker(self.env, queue, f"{queue}-{uuid.uuid4().hex[:6]}",
+                                              self.log_dir / f"{name}.log", beat=beat)
+        return self.procs[name]
 
     def log(self, name: str) -> str:
         path = self.log_dir / f"{name}.log"
@@ -67,17 +67,10 @@ class Service:
 
     def stop(self) -> None:
         for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            procs.stop(proc)
 
 
-def wait_http(url: str, proc: subprocess.Popen, log_text: str = "", timeout: float = 60.0) -> None:
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
