@@ -104,13 +104,17 @@ def list_files(session: Session, project_id: str, *, after: Optional[str] = None
     return rows[:limit], len(rows) > limit
 
 
-def delete_file(session: Session, store: ObjectStore, project_id: str, file_id: str) -> File:
-    """Remove the content and hide the row (kept because batches refer to it)."""
+def delete_file(session: Session, project_id: str, file_id: str) -> File:
+    """Hide the row (kept because batches refer to it); the caller commits, then calls
+    ``delete_content`` so that content never disappears under a row that still shows."""
     row = get_file(session, project_id, file_id)
     row.deleted_at = time.time()
     session.flush()
-    store.delete(row.object_key)
     return row
+
+
+def delete_content(store: ObjectStore, row: File) -> None:
+    store.delete(row.object_key)
 
 
 def file_content(store: ObjectStore, row: File) -> Iterator[bytes]:

@@ -58,8 +58,9 @@ def retrieve_file(file_id: str, project_id: ProjectDep, session: SessionDep) -> 
 
 @router.delete("/{file_id}", response_model=FileDeleted)
 def delete_file(file_id: str, project_id: ProjectDep, session: SessionDep, store: StoreDep) -> FileDeleted:
-    row = file_service.delete_file(session, store, project_id, file_id)
+    row = file_service.delete_file(session, project_id, file_id)
     session.commit()
+    file_service.delete_content(store, row)
     return FileDeleted(id=row.id, deleted=True)
 
 

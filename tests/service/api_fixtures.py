@@ -117,12 +117,14 @@ def api_service(pg_url, s3_server, tmp_path_factory):
     """The API alone (no workers) on a fresh port, on the session's Postgres and moto S3, with
     small limits so the limit checks can be exercised. Messages go to a filesystem broker."""
     home = tmp_path_factory.mktemp("api-home")
+    bucket = new_bucket(s3_server)
     env = service_env(home, database_url=pg_url, max_lines=50, max_file_bytes=64 * 1024,
-                      **s3_env(s3_server, new_bucket(s3_server)))
+                      **s3_env(s3_server, bucket))
     service = Service(env, home)
     try:
         service.base_url = service.start_api(free_port())
         service.db_url = pg_url
+        service.s3_endpoint, service.bucket = s3_server, bucket
         yield service
     finally:
         service.stop()

@@ -4,6 +4,8 @@ from __future__ import annotations
 import io
 import json
 
+import boto3
+import botocore.exceptions
 import httpx
 import openai
 import pytest
@@ -30,6 +32,9 @@ def test_upload_retrieve_content_delete(api_service):  # noqa: F811
     assert client.files.retrieve(created.id).model_dump() == created.model_dump()
     assert client.files.content(created.id).content == data
 
+    s3 = boto3.client("s3", endpoint_url=api_service.s3_endpoint, region_name="us-east-1",
+                      aws_access_key_id="test", aws_secret_access_key="test")
+    assert s3.head_object(Bucket=api_service.bucket, Key=f"files/{created.id}")["ContentLength"] == len(data)
     deleted = client.files.delete(created.id)
     assert (deleted.id, deleted.deleted, deleted.object) == (created.id, True, "file")
     with pytest.raises(openai.NotFoundError) as err:
@@ -38,6 +43,8 @@ def test_upload_retrieve_content_delete(api_service):  # noqa: F811
     with pytest.raises(openai.NotFoundError):
         client.files.content(created.id)
     assert created.id not in [f.id for f in client.files.list()]
+    with pytest.raises(botocore.exceptions.ClientError):   # the content is gone from the store
+        s3.head_object(Bucket=api_service.bucket, Key=f"files/{created.id}")
 
 
 def test_expires_after_is_honoured(api_service):  # noqa: F811
