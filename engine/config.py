@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3", "dynamic")
+SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3")
 
 
 @dataclass
@@ -36,7 +36,7 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         kind = rope_scaling_type(self.rope_scaling)
         if kind not in SUPPORTED_ROPE_SCALING:
-            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3, dynamic")
+            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -56,6 +56,12 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         rope_scaling = cfg.get("rope_scaling")
+        max_positions = cfg.get("max_position_embeddings", 2048)
+        # Sliding-window attention is not implemented: cap the context at the window, where
+        # full attention computes exactly the same thing.
+        window = cfg.get("sliding_window")
+        if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
+            max_positions = min(max_positions, window)
         rope_theta = cfg.get("rope_theta")
         # transformers 5 moved rope settings into `rope_parameters`
         rope_parameters = cfg.get("rope_parameters")
@@ -74,7 +80,7 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             rope_scaling=rope_scaling,
