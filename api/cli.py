@@ -58,6 +58,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     if args.wait:
         batch = client.wait(batch["id"], show_progress=not args.quiet)
         print(f"batch {batch['id']}: {batch['status']}, request_counts {batch['request_counts']}", file=sys.stderr)
+        for error in (batch.get("errors") or {}).get("data", []):
+            print(f"  line {error.get('line')}: {error.get('message')} [{error.get('code')}]", file=sys.stderr)
     print(batch["id"])
     return 0 if batch["status"] not in ("failed", "expired", "cancelled") else 1
 

@@ -9,6 +9,7 @@ the same code paths as production, where each part runs on its own machines.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -58,6 +59,9 @@ def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") ->
     get_settings.cache_clear()
 
     upgrade_head(settings.resolved_database_url)
+    # uvicorn re-raises SIGTERM after its graceful shutdown; turned into SystemExit here, so the
+    # `finally` below still stops the workers (the default action would end this process first).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     children = start_workers(home)
     print(f"nightshift: API on http://{host}:{port}/v1; state, API key and worker logs in {home}",
           file=sys.stderr, flush=True)
