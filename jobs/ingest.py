@@ -14,6 +14,7 @@ import orjson
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
+from jobs.chat_prompts import ChatPromptRenderer, SegmentEncoder
 from jobs.models import REQUEST_COPY_COLUMNS, Batch, BatchStatus, File, Request, RequestStatus, Shard
 from jobs.openai_mapping import (CHAT, RequestBodyError, chat_messages, planned_max_tokens, prompt_token_ids,
                                  requested_max_tokens)
@@ -65,15 +66,6 @@ def _stored_max_tokens(body: dict[str, Any]) -> Optional[int]:
     return value if value is not None and -2**31 < value < 2**31 else None
 
 
-def _encode_many(tokenizer, texts: list[str]) -> list[list[int]]:  # noqa: ANN001
-    """Encode many texts at once when the tokenizer exposes its `tokenizers` backend (Rust,
-    parallel); same ids as encoding one by one."""
-    backend = getattr(tokenizer, "backend", None)
-    if backend is not None and hasattr(backend, "encode_batch"):
-        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
-    return [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
-
-
 def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer, settings: Settings) -> list[list[int]]:  # noqa: ANN001
     """Prompt token ids per valid line; a line whose prompt cannot be built becomes a validation error.
 
@@ -81,17 +73,19 @@ def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer, settings:
     as ``apply_chat_template``, which is render + encode without special tokens)."""
     token_ids: list[list[int]] = [[] for _ in result.lines]
     batched = endpoint == CHAT and hasattr(tokenizer, "render_chat") and hasattr(tokenizer, "backend")
+    renderer = ChatPromptRenderer(tokenizer) if batched else None
+    encoder = SegmentEncoder(tokenizer) if batched else None
     pending: list[tuple[int, str]] = []
 
     def encode_pending() -> None:
-        for (i, _), ids in zip(pending, _encode_many(tokenizer, [t for _, t in pending])):
+        for (i, _), ids in zip(pending, encoder.encode_many([t for _, t in pending])):
             token_ids[i] = ids
         pending.clear()
 
     for i, vl in enumerate(result.lines):
         try:
             if batched:
-                pending.append((i, tokenizer.render_chat(chat_messages(vl.body), add_generation_prompt=True)))
+                pending.append((i, renderer.render(chat_messages(vl.body))))
                 if len(pending) >= 2048:
                     encode_pending()
             else:

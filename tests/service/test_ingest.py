@@ -114,3 +114,34 @@ def test_cancelled_while_validating_is_not_ingested(any_db, settings_env, tmp_pa
     with session_scope(any_db) as s:
         request_cancel(s, bid)
     assert ingest_batch(bid, tokenizer, store=store, settings=settings, db_url=any_db).status == "cancelling"
+
+
+def test_fast_chat_rendering_equals_the_template(tokenizer):
+    from jobs.chat_prompts import ChatPromptRenderer, content_is_verbatim
+
+    renderer = ChatPromptRenderer(tokenizer)
+    assert renderer.fast
+    chats = [[{"role": "user", "content": "solo"}],
+             [{"role": "system", "content": "  spaced \n"}, {"role": "user", "content": "{{ not jinja }} <&>"}],
+             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": ""}],
+             [{"role": "user", "content": "has a sentinel \ue000 char"}]]
+    for chat in chats:
+        assert renderer.render(chat) == tokenizer.render_chat(chat, add_generation_prompt=True)
+    # templates that transform or test the content never take the fast path
+    assert not content_is_verbatim("{% for m in messages %}{{ m['content'] | trim }}{% endfor %}")
+    assert not content_is_verbatim("{% for m in messages %}{% if m.content %}{{ m.content }}{% endif %}{% endfor %}")
+    assert not content_is_verbatim("{% for m in messages %}{% set c = m.content %}{{ c }}{% endfor %}")
+    assert content_is_verbatim("{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}{% endfor %}")
+
+
+def test_segment_encoder_equals_whole_text_encoding(tokenizer):
+    from jobs.chat_prompts import SegmentEncoder
+
+    enc = SegmentEncoder(tokenizer)
+    assert enc.split is not None
+    texts = [tokenizer.render_chat([{"role": "system", "content": "Shared prompt, twice."},
+                                    {"role": "user", "content": f"line {i} ünïcode  spaces\n\n"}]) for i in range(50)]
+    texts += ["<|im_start|><|im_end|>", "no specials at all", "", "x<|endoftext|>y<|im_start|>"]
+    expected = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    assert enc.encode_many(texts) == expected
+    assert enc.encode_many(texts) == expected  # from the cache
