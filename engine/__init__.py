@@ -1,4 +1,5 @@
 """Nightshift's own LLM engine (see DESIGN.md §3). Usable on its own: `from engine import Engine`."""
+from engine.engine import Engine
 from engine.loader import load_model, resolve_model
 from engine.model_runner import ModelRunner, StepItem
 from engine.tokenizer import Tokenizer, load_tokenizer
@@ -6,6 +7,6 @@ from engine.types import (EngineStats, GenerationOutput, GenerationRequest, Inva
                           SamplingParams)
 
 __all__ = [
-    "EngineStats", "GenerationOutput", "GenerationRequest", "InvalidRequestError", "ModelRunner", "RequestError",
+    "Engine", "EngineStats", "GenerationOutput", "GenerationRequest", "InvalidRequestError", "ModelRunner", "RequestError",
     "SamplingParams", "StepItem", "Tokenizer", "load_model", "load_tokenizer", "resolve_model",
 ]
