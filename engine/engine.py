@@ -17,7 +17,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from engine.block_manager import BlockManager
-from engine.model_runner import ModelRunner, StepItem
+from engine.model_runner import ModelRunner, StepItem, kv_bytes_per_block
 from engine.sampler import sample
 from engine.scheduler import ScheduledSeq, Scheduler
 from engine.sequence import Sequence
@@ -75,14 +75,23 @@ class Engine:
         quant_config = resolve_quantization(quantization)
         net = load_model(model, dtype=torch_dtype, device=device, quant_config=quant_config, cache_dir=cache_dir)
         tokenizer = load_tokenizer(model, cache_dir=cache_dir)
+        return cls.from_model(net, tokenizer, model_name(resolve_model(model)), max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, block_size=block_size,
+                              num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching,
+                              kv_cache_bytes=kv_cache_bytes)
+
+    @classmethod
+    def from_model(cls, model, tokenizer, model_name: str, max_num_seqs: int = 128,
+                   max_num_batched_tokens: int = 1024, block_size: int = 16, num_kv_blocks: Optional[int] = None,
+                   enable_prefix_caching: bool = True, kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES) -> "Engine":
+        """An engine with its own KV pool around an already loaded model (several may share one)."""
         if num_kv_blocks is None:
-            from engine.model_runner import kv_bytes_per_block
-            per_block = kv_bytes_per_block(net.config, block_size, torch_dtype)
-            most_useful = max_num_seqs * math.ceil(net.config.max_position_embeddings / block_size)
+            per_block = kv_bytes_per_block(model.config, block_size, model.dtype)
+            most_useful = max_num_seqs * math.ceil(model.config.max_position_embeddings / block_size)
             num_kv_blocks = max(1, min(kv_cache_bytes // per_block, most_useful))
-        runner = ModelRunner(net, num_kv_blocks=num_kv_blocks, block_size=block_size)
+        runner = ModelRunner(model, num_kv_blocks=num_kv_blocks, block_size=block_size)
         config = EngineConfig(max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching)
-        return cls(runner, tokenizer, model_name(resolve_model(model)), config)
+        return cls(runner, tokenizer, model_name, config)
 
     # ---- validation -----------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
