@@ -15,7 +15,8 @@ DEFAULT_CPU_INT4_MAX_ROWS = 8
 class QuantConfig:
     """``quantization="int4"`` in Engine.from_pretrained means ``QuantConfig()``.
 
-    group_size: group for round-to-nearest quantization of full-precision weights. GGUF
+    group_size: group for round-to-nearest quantization of full-precision weights (a layer
+        whose row length it does not divide takes the largest supported group that does). GGUF
         Q4_0/Q4_1 weights keep their own group of 32 (imported as they are, never re-quantized).
     full_precision_layers: layer-name components (between dots) that stay dense, in HF and
         GGUF spelling. The embedding and the

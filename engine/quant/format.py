@@ -104,6 +104,16 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
+def fitting_group_size(in_features: int, requested: int) -> int:
+    """The requested group if it divides the row, else the largest supported one below it that
+    does (SmolLM2's 576-wide rows take 64 when 128 is asked for)."""
+    for group in sorted(SUPPORTED_GROUP_SIZES, reverse=True):
+        if group <= requested and in_features % group == 0:
+            return group
+    raise ValueError(f"in_features {in_features} is not a multiple of any supported group size "
+                     f"<= {requested} ({SUPPORTED_GROUP_SIZES})")
+
+
 def quantize_rtn(weight: torch.Tensor, group_size: int = 128) -> Int4Weight:
     """Round-to-nearest asymmetric INT4 of a dense ``[N, K]`` weight, one (scale, min) per group.
 

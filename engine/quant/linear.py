@@ -4,8 +4,9 @@ What runs (engine/quant/README.md has the measurements):
 * CUDA: the Triton dequant-GEMM (engine/quant/triton_int4.py) on the packed weight.
 * CPU, steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU kernel (tinygemm), with
   bfloat16 activations (its float32 mode is ~6x slower here; the result is cast back).
-* CPU, larger steps: dense ``F.linear`` with the dequantized weight in the activation dtype,
-  kept after first use when ``cache_dense_weight`` (else dequantized per call).
+* CPU, larger steps: dense ``F.linear`` with the dequantized weight in the activation dtype
+  (float32 for bfloat16 activations on CPUs without native bf16), kept after first use when
+  ``cache_dense_weight`` (else dequantized per call).
 """
 from __future__ import annotations
 
@@ -18,8 +19,27 @@ from gguf import GGMLQuantizationType
 from engine.quant.cache import active_cache
 from engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS, QuantConfig
 from engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
-from engine.quant.format import Int4Weight, quantize_rtn
+from engine.quant.format import Int4Weight, fitting_group_size, quantize_rtn
 from engine.quant.gguf_import import DIRECT_IMPORT_TYPES, int4_from_gguf_blocks
+
+
+def _cpu_has_native_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+CPU_HAS_NATIVE_BF16 = _cpu_has_native_bf16()
+
+
+def dense_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Without AVX512-BF16/AMX a bfloat16 CPU matmul is emulated: measured 5.5x slower than
+    float32 at 64 rows on the AVX2 dev machine, so the large-step path computes in float32 there."""
+    if dtype == torch.bfloat16 and not CPU_HAS_NATIVE_BF16:
+        return torch.float32
+    return dtype
 
 
 class Int4Linear(nn.Module):
@@ -66,7 +86,9 @@ class Int4Linear(nn.Module):
         elif x2d.shape[0] <= self.cpu_int4_max_rows:
             y = self._tinygemm(x2d.to(torch.bfloat16)).to(x.dtype)
         else:
-            y = F.linear(x2d, self.dense_weight(x.dtype, x.device), self.bias)
+            dtype = dense_compute_dtype(x.dtype)
+            bias = None if self.bias is None else self.bias.to(dtype)
+            y = F.linear(x2d.to(dtype), self.dense_weight(dtype, x.device), bias).to(x.dtype)
             return y.reshape(*lead, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -100,7 +122,7 @@ def int4_weight_for(source, config: QuantConfig) -> Int4Weight:
                  for b, part in zip(blocks, source.parts)]
         return Int4Weight.cat_rows(parts)
     dense = torch.cat([source.tensor(f"{part}.weight").to(torch.float32) for part in source.parts])
-    return quantize_rtn(dense, config.group_size)
+    return quantize_rtn(dense, fitting_group_size(dense.shape[1], config.group_size))
 
 
 def build_int4_linear(source, config: QuantConfig) -> Int4Linear:

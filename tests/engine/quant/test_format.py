@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.quant.format import Int4Weight, pack_int4, quantize_rtn, unpack_int4
+from engine.quant.format import Int4Weight, fitting_group_size, pack_int4, quantize_rtn, unpack_int4
 
 
 def test_pack_unpack_round_trip_all_values():
@@ -71,3 +71,11 @@ def test_int4weight_validates_and_reshapes():
     with pytest.raises(ValueError, match="different group sizes"):
         Int4Weight.cat_rows([qw, quantize_rtn(torch.randn(8, 64), 64)])
     assert qw.nbytes() == 8 * 32 + 2 * 8 * 2 * 2
+
+
+def test_fitting_group_size():
+    assert fitting_group_size(1536, 128) == 128
+    assert fitting_group_size(576, 128) == 64
+    assert fitting_group_size(576, 32) == 32
+    with pytest.raises(ValueError, match="not a multiple of any supported group size"):
+        fitting_group_size(80, 128)
