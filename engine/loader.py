@@ -173,4 +173,8 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
     from engine.models import build_model
 
     checkpoint = load_checkpoint(model, cache_dir)
-    return build_model(checkpoint, dtype=dtype or torch.float32, device=device, quant_config=quant_config)
+    if quant_config is None:
+        return build_model(checkpoint, dtype=dtype or torch.float32, device=device, quant_config=None)
+    from engine.quant.cache import quantized_checkpoint_cache  # INT4 layers cached on disk (issue 3)
+    with quantized_checkpoint_cache(cache_root(cache_dir), source_fingerprint(resolve_model(model)), quant_config):
+        return build_model(checkpoint, dtype=dtype or torch.float32, device=device, quant_config=quant_config)
