@@ -4,6 +4,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import pool
 
+import jobs.schedule_models  # noqa: F401  (registers the schedules tables on Base.metadata)
 from jobs.models import Base
 from storage.db import make_engine
 

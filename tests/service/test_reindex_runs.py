@@ -216,3 +216,24 @@ def test_too_many_changed_documents_fail_the_run_not_the_tick(pg_db, store, sett
     assert run.status == RunStatus.FAILED and "2" in run.error and run.batch_id is None
     with sm() as s:
         assert s.scalars(select(File).where(File.purpose == "batch")).all() == []
+
+
+def test_tick_restarts_lost_starts_and_publishes_unpublished_batches(pg_db, store, settings_env):
+    from jobs.schedule_runs import schedule_tick
+
+    settings = settings_env(schedule_start_retry_seconds=120)
+    sm = get_sessionmaker(pg_db)
+    setup_schedule(sm, store)
+    first = schedule_tick(sm, store, now=ts(21), settings=settings)
+    assert len(first.fired) == 1 and first.restart == [] and first.published == []
+    run_id = first.fired[0]
+    # the start message was lost: a later tick asks for it again, an early one does not
+    assert schedule_tick(sm, store, now=ts(21) + 60, settings=settings).restart == []
+    assert schedule_tick(sm, store, now=ts(21) + 180, settings=settings).restart == [run_id]
+    batch_id = start_run(sm, store, run_id, now=ts(21) + 180, settings=settings)
+    # the batch finished but its finalize hook never published (e.g. finalize from an old worker)
+    finish_batch(sm, batch_id, {"a.txt": "ok", "b.txt": "ok", "sub/c.txt": "ok"})
+    tick = schedule_tick(sm, store, now=ts(21, 4), settings=settings)
+    assert tick.published == [batch_id] and tick.fired == [] and tick.restart == []
+    assert run_row(sm, run_id).status == RunStatus.SUCCEEDED
+    assert schedule_tick(sm, store, now=ts(21, 5), settings=settings).published == []
