@@ -36,10 +36,6 @@ def prices_from_settings(settings: Optional[Settings] = None) -> Prices:
                   online_output_usd_per_1m=settings.online_output_usd_per_1m)
 
 
-def _dt(ts: Optional[float]) -> Optional[datetime]:
-    return datetime.fromtimestamp(ts, timezone.utc) if ts is not None else None
-
-
 def load_usages(session: Session, batch_id: str) -> list[RequestUsage]:
     """One RequestUsage per request row of the batch, in input order."""
     rows = session.execute(
@@ -54,8 +50,8 @@ def load_usages(session: Session, batch_id: str) -> list[RequestUsage]:
                          prompt_tokens=(r.prompt_tokens or 0) if r.response_status_code else 0,
                          cached_prompt_tokens=(r.cached_tokens or 0) if r.response_status_code else 0,
                          completion_tokens=(r.completion_tokens or 0) if r.response_status_code else 0,
-                         engine_seconds=r.engine_seconds or 0.0, queued_at=_dt(r.queued_at),
-                         started_at=_dt(r.started_at), finished_at=_dt(r.finished_at),
+                         engine_seconds=r.engine_seconds or 0.0, queued_at=r.queued_at,
+                         started_at=r.started_at, finished_at=r.finished_at,
                          worker=r.worker, device=r.device)
             for r in rows]
 
@@ -73,7 +69,7 @@ def live_cost_report(session: Session, batch: Batch, settings: Optional[Settings
                      now: Optional[float] = None) -> dict:
     usages = load_usages(session, batch.id)
     report = build_cost_report(usages, prices_from_settings(settings), batch_id=batch.id,
-                               model=batch.model, status=batch.status, generated_at=_dt(now))
+                               model=batch.model, status=batch.status, generated_at=now)
     json_id, csv_id = cost_file_ids(batch.id)
     stored = session.get(File, json_id) is not None
     report["files"] = {"json": json_id if stored else None, "csv": csv_id if stored else None}
@@ -99,7 +95,7 @@ def write_cost_files(session: Session, store: ObjectStore, batch: Batch, *,
     usages = load_usages(session, batch.id)
     json_id, csv_id = cost_file_ids(batch.id)
     report = build_cost_report(usages, prices, batch_id=batch.id, model=batch.model,
-                               status=batch.status, generated_at=_dt(now))
+                               status=batch.status, generated_at=now)
     report["files"] = {"json": json_id, "csv": csv_id}
     payloads = ((json_id, COST_JSON, orjson.dumps(report, option=orjson.OPT_INDENT_2)),
                 (csv_id, COST_CSV, cost_csv(usages, prices)))

@@ -18,7 +18,6 @@ import csv
 import io
 import math
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Iterable, Mapping, Optional, Sequence
 
 PER_MILLION = 1_000_000.0
@@ -60,7 +59,7 @@ class Prices:
 
 @dataclass(frozen=True)
 class RequestUsage:
-    """What one request consumed. Times are timezone-aware datetimes (or None if unrun)."""
+    """What one request consumed. Times are Unix seconds, as stored (None if unrun)."""
 
     custom_id: str
     line: int
@@ -69,9 +68,9 @@ class RequestUsage:
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     engine_seconds: float = 0.0
-    queued_at: Optional[datetime] = None
-    started_at: Optional[datetime] = None
-    finished_at: Optional[datetime] = None
+    queued_at: Optional[float] = None
+    started_at: Optional[float] = None
+    finished_at: Optional[float] = None
     worker: Optional[str] = None
     device: Optional[str] = None
 
@@ -79,7 +78,7 @@ class RequestUsage:
     def queue_seconds(self) -> Optional[float]:
         if self.queued_at is None or self.started_at is None:
             return None
-        return max(0.0, (self.started_at - self.queued_at).total_seconds())
+        return max(0.0, self.started_at - self.queued_at)
 
 
 def request_cost_usd(usage: RequestUsage, prices: Prices) -> float:
@@ -127,7 +126,7 @@ class _Totals:
 def build_cost_report(usages: Sequence[RequestUsage], prices: Prices, *,
                       batch_id: str, model: Optional[str] = None,
                       status: Optional[str] = None,
-                      generated_at: Optional[datetime] = None) -> dict:
+                      generated_at: Optional[float] = None) -> dict:
     """The cost.json document of one batch (totals, per device, savings, timeline)."""
     totals = _Totals()
     per_device: dict[str, _Totals] = {}
@@ -145,15 +144,15 @@ def build_cost_report(usages: Sequence[RequestUsage], prices: Prices, *,
     online_usd = online_cost_usd(totals.prompt_tokens, totals.cached_prompt_tokens,
                                  totals.completion_tokens, prices)
     cache_savings = totals.cached_prompt_tokens * prices.online_input_usd_per_1m / PER_MILLION
-    started = [u.started_at for u in usages if u.started_at]
-    finished = [u.finished_at for u in usages if u.finished_at]
+    started = [u.started_at for u in usages if u.started_at is not None]
+    finished = [u.finished_at for u in usages if u.finished_at is not None]
     total_tokens = totals.prompt_tokens + totals.completion_tokens
     return {
         "object": "batch.cost",
         "batch_id": batch_id,
         "model": model,
         "status": status,
-        "generated_at": int(generated_at.timestamp()) if generated_at else None,
+        "generated_at": int(generated_at) if generated_at is not None else None,
         "currency": "USD",
         "requests": {"total": totals.requests, "completed": totals.completed,
                      "failed": totals.failed},
@@ -171,8 +170,7 @@ def build_cost_report(usages: Sequence[RequestUsage], prices: Prices, *,
             "mean": math.fsum(queue_waits) / len(queue_waits) if queue_waits else None,
             "max": max(queue_waits) if queue_waits else None,
         },
-        "wall_seconds": ((max(finished) - min(started)).total_seconds()
-                         if started and finished else None),
+        "wall_seconds": max(finished) - min(started) if started and finished else None,
         "cost": {
             "usd": cost_usd,
             # The whole job's cost per million tokens of each kind (what a million input,
@@ -212,14 +210,14 @@ def build_timeline(usages: Iterable[RequestUsage], prices: Prices,
     done = [u for u in usages if u.finished_at is not None]
     if not done:
         return []
-    start = min((u.started_at or u.finished_at) for u in done).timestamp()
-    end = max(u.finished_at for u in done).timestamp()
+    start = min((u.started_at or u.finished_at) for u in done)
+    end = max(u.finished_at for u in done)
     width = max((end - start) / buckets, 1.0)
     count = min(buckets, int((end - start) // width) + 1)
     rows = [{"t": start + i * width, "requests": 0, "prompt_tokens": 0,
              "completion_tokens": 0, "usd": []} for i in range(count)]
     for usage in done:
-        index = min(count - 1, int((usage.finished_at.timestamp() - start) // width))
+        index = min(count - 1, int((usage.finished_at - start) // width))
         row = rows[index]
         row["requests"] += 1
         row["prompt_tokens"] += usage.prompt_tokens
@@ -235,13 +233,13 @@ CSV_COLUMNS = ("line", "custom_id", "status", "prompt_tokens", "cached_prompt_to
                "usd_per_hour", "cost_usd", "online_list_usd", "started_at", "finished_at")
 
 
-def _iso(value: Optional[datetime]) -> str:
-    return value.isoformat() if value else ""
+def _seconds(value: Optional[float]) -> str:
+    return "" if value is None else repr(value)
 
 
 def cost_csv(usages: Iterable[RequestUsage], prices: Prices) -> bytes:
-    """cost.csv: one row per request, in input order. Floats are written with repr() so
-    the rows sum back exactly to the totals of cost.json."""
+    """cost.csv: one row per request, in input order; times in Unix seconds. Floats are
+    written with repr() so the rows sum back exactly to the totals of cost.json."""
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(CSV_COLUMNS)
@@ -255,6 +253,6 @@ def cost_csv(usages: Iterable[RequestUsage], prices: Prices) -> bytes:
             "" if price is None else repr(price), repr(request_cost_usd(u, prices)),
             repr(online_cost_usd(u.prompt_tokens, u.cached_prompt_tokens,
                                  u.completion_tokens, prices)),
-            _iso(u.started_at), _iso(u.finished_at),
+            _seconds(u.started_at), _seconds(u.finished_at),
         ])
     return out.getvalue().encode()

@@ -2,13 +2,13 @@
 import csv
 import io
 import math
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 import pytest
 
 from jobs.costs import Prices, RequestUsage, build_cost_report, cost_csv, request_cost_usd
 
-T0 = datetime(2026, 11, 22, 2, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 11, 22, 2, 0, tzinfo=timezone.utc).timestamp()
 PRICES = Prices(instance_usd_per_hour={"cpu": 0.12, "cuda": 2.5},
                 online_input_usd_per_1m=0.15, online_cached_input_usd_per_1m=0.075,
                 online_output_usd_per_1m=0.60)
@@ -18,8 +18,8 @@ def usage(i, *, prompt=100, cached=0, completion=20, secs=0.5, device="cpu", sta
     return RequestUsage(custom_id=f"r{i}", line=i, status=status, prompt_tokens=prompt,
                         cached_prompt_tokens=cached, completion_tokens=completion,
                         engine_seconds=secs, queued_at=T0,
-                        started_at=T0 + timedelta(seconds=i),
-                        finished_at=T0 + timedelta(seconds=i + 2),
+                        started_at=T0 + i,
+                        finished_at=T0 + i + 2,
                         worker="w1", device=device)
 
 
