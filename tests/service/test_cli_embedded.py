@@ -1,0 +1,62 @@
+"""The embedded default as a user meets it: `nightshift serve` (API + workers + beat on SQLite,
+a local folder and the filesystem broker, no services), then `nightshift submit --wait`,
+`status` and `results` from another process — the path scripts/demo.sh takes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from .api_fixtures import REPO, Service, free_port, service_env, wait_http
+
+
+def nightshift(env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "api.cli", *args], env=env, cwd=REPO, capture_output=True,
+                          timeout=timeout)
+
+
+def small_input(path, n: int = 4):  # noqa: ANN001, ANN201
+    """The demo's file, cut short and with short answers, so the test stays quick on a CPU."""
+    lines = [json.loads(x) for x in (REPO / "examples" / "batch.jsonl").read_text().splitlines()][:n]
+    for line in lines:
+        line["body"]["max_tokens"] = 8
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path, [x["custom_id"] for x in lines]
+
+
+@pytest.mark.slow
+def test_serve_submit_wait_results(tmp_path):
+    input_path, expected = small_input(tmp_path / "input.jsonl")
+    home = tmp_path / "home"
+    port = free_port()
+    env = service_env(home, port=port)
+    service = Service(env, tmp_path)
+    try:
+        server = service.start("serve", [sys.executable, "-m", "api.cli", "serve", "--port", str(port),
+                                         "--log-level", "warning"])
+        wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)
+        assert (home / "api_key").is_file() and (home / "nightshift.db").is_file()
+
+        submitted = nightshift(env, "submit", str(input_path), "--wait")
+        assert submitted.returncode == 0, submitted.stderr.decode()[-3000:] + service.log("serve")
+        batch_id = submitted.stdout.decode().strip()
+        assert batch_id.startswith("batch_")
+        assert "completed" in submitted.stderr.decode()
+
+        status = json.loads(nightshift(env, "status", batch_id).stdout)
+        assert status["status"] == "completed" and status["request_counts"]["completed"] == len(expected)
+
+        results = nightshift(env, "results", batch_id)
+        assert results.returncode == 0
+        lines = [json.loads(x) for x in results.stdout.decode().splitlines()]
+        assert [x["custom_id"] for x in lines] == expected          # each once, in input order
+        assert all(x["response"]["status_code"] == 200 for x in lines)
+
+        new_key = nightshift(env, "keys", "create", "--project", "second")
+        assert new_key.returncode == 0
+        other = nightshift(env, "status", batch_id, "--api-key", new_key.stdout.decode().strip())
+        assert other.returncode != 0 and b"404" in other.stderr   # another project's batch
+    finally:
+        service.stop()

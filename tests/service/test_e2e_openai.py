@@ -1,0 +1,101 @@
+"""End to end, production shape: the HTTP API (uvicorn), a cpu worker with beat and a gpu
+worker (real Celery on real Redis), Postgres, moto's S3 server and the real default model,
+driven only through the official openai client: upload, create, poll, download."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+import redis
+
+from .api_fixtures import Service, free_port, new_bucket, openai_client, s3_env, service_env
+
+REDIS_DB = 12   # apart from the other service tests' Redis database
+SYSTEM = ("You are a terse assistant for the Nightshift batch test suite. Answer in one short sentence, "
+          "without lists, without greetings, and never repeat the question back to the user.")
+
+
+def batch_lines(n_ok: int) -> list[dict]:
+    lines = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "default", "max_tokens": 6, "temperature": 0,
+                       "messages": [{"role": "system", "content": SYSTEM},
+                                    {"role": "user", "content": f"What is {i} plus {i}?"}]}}
+             for i in range(n_ok)]
+    # rejected by the model (prompt + max_tokens exceed the context): an error line, the rest completes
+    lines.append({"custom_id": "too-long", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "default", "max_tokens": 10_000_000,
+                           "messages": [{"role": "user", "content": "hi"}]}})
+    return lines
+
+
+@pytest.fixture
+def pipeline(pg_url, s3_server, tmp_path):
+    broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
+    redis.Redis.from_url(broker).flushdb()
+    key = "ns-e2e-" + uuid.uuid4().hex
+    env = service_env(tmp_path, database_url=pg_url, broker_url=broker, bootstrap_key=key,
+                      bootstrap_project=f"e2e-{uuid.uuid4().hex[:8]}", reconcile_interval_seconds=2,
+                      **s3_env(s3_server, new_bucket(s3_server)))
+    service = Service(env, tmp_path)
+    try:
+        base_url = service.start_api(free_port())
+        service.start_worker("cpu", beat=True)
+        service.start_worker("gpu")
+        yield service, openai_client(base_url, key, timeout=60)
+    finally:
+        service.stop()
+        redis.Redis.from_url(broker).flushdb()
+
+
+@pytest.mark.slow
+def test_openai_client_round_trip(pipeline):
+    service, client = pipeline
+    lines = batch_lines(6)
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    input_file = client.files.create(file=("e2e.jsonl", data), purpose="batch")
+    batch = client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"suite": "e2e"})
+    assert batch.status == "validating"
+
+    deadline = time.time() + 600
+    seen = set()
+    while batch.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.time() < deadline, f"batch stuck in {batch.status}; gpu worker log:\n{service.log('worker-gpu')}"
+        time.sleep(0.5)
+        batch = client.batches.retrieve(batch.id)
+        seen.add(batch.status)
+    assert batch.status == "completed", (batch.errors, service.log("worker-cpu"))
+    assert "in_progress" in seen or "finalizing" in seen
+    assert batch.request_counts.model_dump() == {"total": 7, "completed": 6, "failed": 1}
+    assert batch.usage.input_tokens > 0 and batch.usage.output_tokens > 0
+    assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
+    assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
+    assert batch.metadata == {"suite": "e2e"}
+
+    output_file = client.files.retrieve(batch.output_file_id)
+    assert output_file.purpose == "batch_output"
+    output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
+    errors = [json.loads(x) for x in client.files.content(batch.error_file_id).text.splitlines()]
+
+    # every custom_id exactly once across the two files; output in input order
+    ids = [x["custom_id"] for x in output + errors]
+    assert sorted(ids) == sorted(line["custom_id"] for line in lines) and len(ids) == len(set(ids))
+    assert [x["custom_id"] for x in output] == [f"req-{i}" for i in range(6)]
+    for x in output:
+        assert x["error"] is None and x["id"].startswith("batch_req_")
+        response = x["response"]
+        assert response["status_code"] == 200
+        body = response["body"]
+        assert body["object"] == "chat.completion"
+        assert isinstance(body["choices"][0]["message"]["content"], str)
+        assert body["usage"]["completion_tokens"] <= 6
+    (rejected,) = errors
+    assert rejected["custom_id"] == "too-long" and rejected["error"] is None
+    assert rejected["response"]["status_code"] == 400
+    assert rejected["response"]["body"]["error"]["code"] in ("context_length_exceeded", "invalid_request")
+
+    # the batch is listed, and the input file is still retrievable
+    assert batch.id in [b.id for b in client.batches.list()]
+    assert client.files.content(input_file.id).content == data
