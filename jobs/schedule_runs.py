@@ -86,33 +86,57 @@ def _documents_input(schedule: Schedule, store: ObjectStore, indexed: dict[str, 
     return current
 
 
+def _request_lines_input(sources: list[tuple[str, str]], store: ObjectStore,
+                         indexed: dict[str, str], spool) -> dict[str, str]:
+    """JSONL objects ((label, object key) pairs): each line is one complete request and one
+    document, keyed by its custom_id, which must be unique across all of them."""
+    current: dict[str, str] = {}
+    origin: dict[str, str] = {}
+    for label, key in sources:
+        for number, raw in enumerate(iter_lines(store.get_stream(key)), start=1):
+            raw = raw.strip()
+            if not raw:
+                continue
+            try:
+                custom_id = orjson.loads(raw)["custom_id"]
+            except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+                raise RunInputError(f"{label} line {number}: no custom_id ({exc})") from exc
+            if not isinstance(custom_id, str):
+                raise RunInputError(f"{label} line {number}: custom_id must be a string")
+            if custom_id in current:
+                raise RunInputError(f"{label} line {number}: custom_id {custom_id!r} is already used "
+                                    f"by {origin[custom_id]}")
+            origin[custom_id] = f"{label} line {number}"
+            digest = current[custom_id] = content_hash(raw)
+            if indexed.get(custom_id) != digest:
+                spool.write(raw + b"\n")
+    return current
+
+
 def _file_input(session: Session, schedule: Schedule, store: ObjectStore,
                 indexed: dict[str, str], spool) -> dict[str, str]:
     """A stored JSONL file: each line is one document, keyed by its custom_id."""
     file = session.get(File, schedule.source["file_id"])
     if file is None or file.deleted_at is not None:
         raise RunInputError(f"source file {schedule.source['file_id']!r} no longer exists")
-    current: dict[str, str] = {}
-    for number, raw in enumerate(iter_lines(store.get_stream(file.object_key)), start=1):
-        if not raw.strip():
-            continue
-        try:
-            custom_id = orjson.loads(raw)["custom_id"]
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
-            raise RunInputError(f"source file line {number}: no custom_id ({exc})") from exc
-        if not isinstance(custom_id, str) or custom_id in current:
-            raise RunInputError(f"source file line {number}: custom_id must be a unique string")
-        digest = current[custom_id] = content_hash(raw.strip())
-        if indexed.get(custom_id) != digest:
-            spool.write(raw.strip() + b"\n")
-    return current
+    return _request_lines_input([(f"source file {file.id}", file.object_key)], store, indexed, spool)
+
+
+def _jsonl_prefix_input(schedule: Schedule, store: ObjectStore, indexed: dict[str, str],
+                        spool) -> dict[str, str]:
+    """Every .jsonl object under the prefix holds request lines."""
+    objects = [(key, key) for key in list_keys(store, schedule.source["prefix"])
+               if key.endswith(".jsonl") and not (schedule.index_prefix and key.startswith(schedule.index_prefix))]
+    return _request_lines_input(objects, store, indexed, spool)
 
 
 def _collect_input(session: Session, schedule: Schedule, store: ObjectStore,
                    settings: Settings) -> _Input:
     indexed = _indexed(session, schedule.id)
     spool = tempfile.SpooledTemporaryFile(max_size=8 * 1024 * 1024)
-    if schedule.source["type"] == "prefix":
+    if schedule.source["type"] == "prefix" and schedule.source.get("format") == "jsonl":
+        current = _jsonl_prefix_input(schedule, store, indexed, spool)
+    elif schedule.source["type"] == "prefix":
         current = _documents_input(schedule, store, indexed, spool, settings)
     else:
         current = _file_input(session, schedule, store, indexed, spool)

@@ -27,6 +27,9 @@ from jobs.reindex import TemplateRenderError, check_prompt_template, normalize_p
 from jobs.schedule_models import RunStatus, Schedule, ScheduleRun, ScheduleStatus
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# documents: every object is one document (rendered by prompt_template);
+# jsonl: every line of every .jsonl object is one complete request, keyed by custom_id
+SOURCE_FORMATS = ("documents", "jsonl")
 SessionFactory = Callable[[], Session]
 
 
@@ -51,12 +54,21 @@ def _check_source(session: Session, project_id: str, source: Any,
                   prompt_template: Any) -> dict:
     if not isinstance(source, dict) or source.get("type") not in ("prefix", "file"):
         raise InvalidScheduleError(
-            "source", "source must be {\"type\": \"prefix\", \"prefix\": ...} (documents under an "
-                      "object-store prefix) or {\"type\": \"file\", \"file_id\": ...} (a stored JSONL file)")
+            "source", "source must be {\"type\": \"prefix\", \"prefix\": ..., \"format\": \"documents\"|"
+                      "\"jsonl\"} (objects under an object-store prefix) or {\"type\": \"file\", "
+                      "\"file_id\": ...} (a stored JSONL file)")
     if source["type"] == "prefix":
         prefix = source.get("prefix")
         if not isinstance(prefix, str) or not prefix.strip("/ "):
             raise InvalidScheduleError("source.prefix", "source.prefix must be a non-empty string")
+        source_format = source.get("format", "documents")
+        if source_format not in SOURCE_FORMATS:
+            raise InvalidScheduleError("source.format", f"source.format must be one of {list(SOURCE_FORMATS)}")
+        if source_format == "jsonl":
+            if prompt_template is not None:
+                raise InvalidScheduleError("prompt_template", "a jsonl source holds complete request lines; "
+                                                              "omit prompt_template")
+            return {"type": "prefix", "prefix": normalize_prefix(prefix), "format": "jsonl"}
         if prompt_template is None:
             raise InvalidScheduleError(
                 "prompt_template", "a prefix source needs a prompt_template (the request body, "
@@ -65,7 +77,7 @@ def _check_source(session: Session, project_id: str, source: Any,
             check_prompt_template(prompt_template)
         except TemplateRenderError as exc:
             raise InvalidScheduleError("prompt_template", str(exc)) from exc
-        return {"type": "prefix", "prefix": normalize_prefix(prefix)}
+        return {"type": "prefix", "prefix": normalize_prefix(prefix), "format": "documents"}
     file_id = source.get("file_id")
     if not isinstance(file_id, str):
         raise InvalidScheduleError("source.file_id", "source.file_id must be a file id")

@@ -7,10 +7,12 @@ from pydantic import BaseModel, Field
 
 
 class PrefixSource(BaseModel):
-    """Every object under an object-store prefix is one document."""
+    """Objects under an object-store prefix: each one a document ("documents", rendered with
+    prompt_template), or JSONL objects whose lines are complete requests ("jsonl")."""
 
     type: Literal["prefix"]
     prefix: str
+    format: Literal["documents", "jsonl"] = "documents"
 
 
 class FileSource(BaseModel):

@@ -13,7 +13,7 @@ import pytest
 from jobs.finalize import finalize_batch
 from jobs.keys import project_for_key
 from jobs.models import Batch, Request
-from jobs.schedules import fire_due_schedules
+from jobs.schedules import fire_schedule
 from storage.db import get_sessionmaker, session_scope
 from storage.s3 import S3Store
 from tests.service.factories import make_running_batch
@@ -63,9 +63,9 @@ def test_schedule_crud_pause_resume_runs_and_tenancy(api_service):  # noqa: F811
     assert resumed["status"] == "active" and resumed["next_run_at"] > time.time()
 
     # the beat fires it (clock moved to its due time): the run is listed
-    fired = fire_due_schedules(get_sessionmaker(api_service.db_url), resumed["next_run_at"] + 1)
+    fired = fire_schedule(get_sessionmaker(api_service.db_url), sched["id"], resumed["next_run_at"] + 1)
     runs = client.get(f"/schedules/{sched['id']}/runs").json()["data"]
-    assert [r["id"] for r in runs] == fired and runs[0]["status"] == "pending"
+    assert [r["id"] for r in runs] == [fired] and runs[0]["status"] == "pending"
     assert runs[0]["due_at"] == resumed["next_run_at"] and runs[0]["object"] == "schedule.run"
 
     deleted = client.delete(f"/schedules/{sched['id']}").json()

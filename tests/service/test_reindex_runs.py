@@ -237,3 +237,50 @@ def test_tick_restarts_lost_starts_and_publishes_unpublished_batches(pg_db, stor
     assert tick.published == [batch_id] and tick.fired == [] and tick.restart == []
     assert run_row(sm, run_id).status == RunStatus.SUCCEEDED
     assert schedule_tick(sm, store, now=ts(21, 5), settings=settings).published == []
+
+
+def _request(custom_id: str, text: str) -> bytes:
+    return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"model": "default", "messages": [{"role": "user", "content": text}]}})
+
+
+def _jsonl_schedule(sm, store, name="lines") -> str:
+    with sm() as s, s.begin():
+        pid = new_id("proj_")
+        s.add(Project(id=pid, name=pid))
+        s.flush()
+        return create_schedule(s, project_id=pid, name=name, cron="0 2 * * *", endpoint="/v1/chat/completions",
+                               model="default", source={"type": "prefix", "prefix": "queue/", "format": "jsonl"},
+                               index_prefix="index/nightly", now=ts(20, 12)).id
+
+
+def test_jsonl_prefix_source_lines_are_documents(pg_db, store, settings_env):
+    settings_env()
+    sm = get_sessionmaker(pg_db)
+    store.put_stream("queue/a.jsonl", _request("q1", "one") + b"\n" + _request("q2", "two") + b"\n")
+    store.put_stream("queue/sub/b.jsonl", _request("q3", "three") + b"\n")
+    store.put_stream("queue/readme.txt", b"not a request file")
+    _jsonl_schedule(sm, store)
+    run1, batch1 = fire_and_start(sm, store, ts(21))
+    assert [l["custom_id"] for l in input_lines(sm, store, batch1)] == ["q1", "q2", "q3"]
+    finish_batch(sm, batch1, {"q1": "ok", "q2": "ok", "q3": "ok"})
+    with sm() as s, s.begin():
+        publish_batch_results(s, store, batch1, now=ts(21, 3))
+    # q2's request changed, q3's file is gone: only q2 is sent, q3's output is removed
+    store.put_stream("queue/a.jsonl", _request("q1", "one") + b"\n" + _request("q2", "two, edited") + b"\n")
+    store.delete("queue/sub/b.jsonl")
+    run2, batch2 = fire_and_start(sm, store, ts(22))
+    assert [l["body"]["messages"][0]["content"] for l in input_lines(sm, store, batch2)] == ["two, edited"]
+    assert run_row(sm, run2).removed == ["q3"]
+
+
+def test_jsonl_prefix_duplicate_custom_id_fails_the_run_naming_both(pg_db, store, settings_env):
+    settings_env()
+    sm = get_sessionmaker(pg_db)
+    store.put_stream("queue/a.jsonl", _request("q1", "one") + b"\n")
+    store.put_stream("queue/b.jsonl", b"\n" + _request("q1", "again") + b"\n")
+    _jsonl_schedule(sm, store)
+    [run_id] = fire_due_schedules(sm, ts(21))
+    assert start_run(sm, store, run_id, now=ts(21)) is None
+    error = run_row(sm, run_id).error
+    assert "queue/b.jsonl line 2" in error and "queue/a.jsonl line 1" in error
