@@ -51,7 +51,7 @@ class QuantConfig:
 
     def cache_tag(self) -> str:
         """What changes the stored quantized weights (not the runtime kernel choices)."""
-        return (f"int4-{self.method}-g{self.group_size}-gguf{int(self.import_gguf_blocks)}"
+        return (f"int4-{self.method}-clip-g{self.group_size}-gguf{int(self.import_gguf_blocks)}"
                 f"-fp[{','.join(self.full_precision_layers)}]")
 
 

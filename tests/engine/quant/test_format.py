@@ -28,7 +28,7 @@ def test_rtn_error_bound(group_size):
     torch.manual_seed(0)
     w = torch.randn(96, 256) * 0.05
     w[0, :group_size] = 0.3  # a constant group: scale 0, represented exactly by its min
-    qw = quantize_rtn(w, group_size)
+    qw = quantize_rtn(w, group_size, clip_search=False)
     assert qw.qweight.shape == (96, 128)
     assert qw.scales.shape == (96, 256 // group_size)
     deq = qw.dequantize()
@@ -42,6 +42,18 @@ def test_rtn_error_bound(group_size):
     assert ((deq - w).abs() <= bound).all()
     # and the error is not trivially zero: this is 4-bit
     assert (deq - w).abs().mean() > 1e-4
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_clip_search_never_worse_per_group(group_size):
+    torch.manual_seed(1)
+    w = torch.randn(64, 256) * 0.05
+    w[::7, 3] = 1.0  # outliers: clipping them pays off
+    def group_sse(qw):
+        return (qw.dequantize() - w).pow(2).reshape(64, -1, group_size).sum(-1)
+    plain, clipped = group_sse(quantize_rtn(w, group_size, clip_search=False)), group_sse(quantize_rtn(w, group_size))
+    assert (clipped <= plain + 1e-9).all()
+    assert clipped.sum() < 0.99 * plain.sum()
 
 
 def test_rtn_smaller_group_is_more_accurate():
