@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import orjson
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -275,6 +275,11 @@ def schedule_tick(session_factory: SessionFactory, store: ObjectStore, *, now: f
     from jobs.schedules import fire_due_schedules, stale_pending_runs
 
     settings = settings or get_settings()
+    with session_factory() as session, session.begin():
+        # a SUBMITTED run whose batch row was deleted would block its schedule forever
+        session.execute(update(ScheduleRun).where(ScheduleRun.status == RunStatus.SUBMITTED,
+                                                  ScheduleRun.batch_id.is_(None))
+                        .values(status=RunStatus.FAILED, error="its batch was deleted", finished_at=now))
     fired = fire_due_schedules(session_factory, now)
     with session_factory() as session:
         stale = stale_pending_runs(session, now, settings.schedule_start_retry_seconds)

@@ -239,6 +239,20 @@ def test_tick_restarts_lost_starts_and_publishes_unpublished_batches(pg_db, stor
     assert schedule_tick(sm, store, now=ts(21, 5), settings=settings).published == []
 
 
+def test_run_whose_batch_was_deleted_does_not_block_its_schedule(pg_db, store, settings_env):
+    from jobs.schedule_runs import schedule_tick
+
+    settings = settings_env()
+    sm = get_sessionmaker(pg_db)
+    setup_schedule(sm, store)
+    run_id, batch_id = fire_and_start(sm, store, ts(21))
+    with sm() as s, s.begin():
+        s.delete(s.get(Batch, batch_id))
+    tick = schedule_tick(sm, store, now=ts(22), settings=settings)
+    assert run_row(sm, run_id).status == RunStatus.FAILED and "deleted" in run_row(sm, run_id).error
+    assert len(tick.fired) == 1   # the next night is not skipped as "previous run still active"
+
+
 def _request(custom_id: str, text: str) -> bytes:
     return orjson.dumps({"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
                          "body": {"model": "default", "messages": [{"role": "user", "content": text}]}})
