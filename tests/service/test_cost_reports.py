@@ -7,9 +7,8 @@ import io
 import math
 from datetime import datetime, timezone
 
-import orjson
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import select
 
 from jobs.cost_reports import (batch_cost_report, cost_file_ids, costs_by_day, live_cost_report,
                                write_cost_files)
