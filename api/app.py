@@ -4,10 +4,9 @@ from __future__ import annotations
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from api.errors import error_body, install_error_handlers
+from api.errors import error_response, install_error_handlers
 from api.routes import batches, costs, files, schedules
 from jobs.keys import ensure_key
 from jobs.settings import get_settings
@@ -33,14 +32,12 @@ def create_app() -> FastAPI:
     @app.middleware("http")
     async def refuse_oversized_uploads(request: Request, call_next):  # noqa: ANN001, ANN202
         # Answer before the body is read: a too-big upload is refused without being spooled.
-        declared = request.headers.get("content-length")
-        limit = get_settings().max_file_bytes + UPLOAD_SLACK_BYTES
-        if request.method == "POST" and request.url.path == "/v1/files" and declared and declared.isdigit() \
-                and int(declared) > limit:
-            return JSONResponse(error_body(400, f"File is larger than the limit of "
-                                                f"{get_settings().max_file_bytes} bytes.",
-                                           param="file", code="file_too_large"),
-                                status_code=400, headers={"x-should-retry": "false"})
+        declared = request.headers.get("content-length", "")
+        max_bytes = get_settings().max_file_bytes
+        if request.method == "POST" and request.url.path == "/v1/files" and declared.isdigit() \
+                and int(declared) > max_bytes + UPLOAD_SLACK_BYTES:
+            return error_response(400, f"File is larger than the limit of {max_bytes} bytes.", param="file",
+                                  code="file_too_large")
         return await call_next(request)
 
     app.include_router(files.router)

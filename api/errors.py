@@ -2,8 +2,8 @@
 
 The official client unwraps ``body["error"]`` and maps the status code to a typed
 exception (400 BadRequestError, 401 AuthenticationError, 404 NotFoundError, ...).
-It retries 409 and >=500 unless the answer carries ``x-should-retry: false``, so
-conflicts are sent with that header: repeating the call would not change the answer.
+It retries 409 and >=500 unless the answer carries ``x-should-retry: false``, so every
+4xx carries that header: repeating the same call would get the same answer.
 """
 from __future__ import annotations
 
@@ -41,41 +41,41 @@ class APIError(Exception):
         self.type = type or _TYPE_BY_STATUS.get(status_code, "server_error")
 
 
-def error_body(status_code: int, message: str, *, param=None, code=None, type=None) -> dict:
+def error_body(status_code: int, message: str, *, param=None, code=None, type=None) -> dict:  # noqa: A002
     return {"error": {"message": message,
                       "type": type or _TYPE_BY_STATUS.get(status_code, "server_error"),
                       "param": param, "code": code}}
 
 
-def _response(status_code: int, body: dict, headers: Optional[dict] = None) -> JSONResponse:
+def error_response(status_code: int, message: str, *, param=None, code=None, type=None,  # noqa: A002
+                   headers: Optional[dict] = None) -> JSONResponse:
     headers = dict(headers or {})
     if status_code < 500:
         headers.setdefault("x-should-retry", "false")
-    return JSONResponse(body, status_code=status_code, headers=headers)
+    return JSONResponse(error_body(status_code, message, param=param, code=code, type=type),
+                        status_code=status_code, headers=headers)
 
 
 async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return _response(exc.status_code, error_body(exc.status_code, exc.message, param=exc.param,
-                                                 code=exc.code, type=exc.type))
+    return error_response(exc.status_code, exc.message, param=exc.param, code=exc.code, type=exc.type)
 
 
 def _param_of(loc: tuple) -> Optional[str]:
     # loc is e.g. ("body", "metadata", "tags") or ("query", "limit"); OpenAI names the field.
-    parts = [str(p) for p in loc[1:]] if loc and loc[0] in ("body", "query", "path", "header") else [
-        str(p) for p in loc]
-    return ".".join(parts) or None
+    parts = loc[1:] if loc and loc[0] in ("body", "query", "path", "header", "form") else loc
+    return ".".join(str(p) for p in parts) or None
 
 
 async def _not_found(_: Request, exc: NotFound) -> JSONResponse:
-    return _response(404, error_body(404, str(exc), param=exc.param, code="not_found"))
+    return error_response(404, str(exc), param=exc.param, code="not_found")
 
 
 async def _invalid_input(_: Request, exc: InvalidInput) -> JSONResponse:
-    return _response(400, error_body(400, exc.message, param=exc.param, code=exc.code))
+    return error_response(400, exc.message, param=exc.param, code=exc.code)
 
 
 async def _conflict(_: Request, exc: Conflict) -> JSONResponse:
-    return _response(409, error_body(409, exc.message, code=exc.code))
+    return error_response(409, exc.message, code=exc.code)
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -85,17 +85,16 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
     if first.get("type") == "missing" and param:
         message = f"Missing required parameter: '{param}'."
-    return _response(400, error_body(400, message, param=param, code=code))
+    return error_response(400, message, param=param, code=code)
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
-    return _response(exc.status_code, error_body(exc.status_code, message), getattr(exc, "headers", None))
+    return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
 
 async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
-    return _response(500, error_body(500, "The server had an error while processing your request.",
-                                     type="server_error"))
+    return error_response(500, "The server had an error while processing your request.", type="server_error")
 
 
 def install_error_handlers(app: FastAPI) -> None:
