@@ -57,7 +57,7 @@ class Engine:
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, model: str = "default", quantization: str = "none", device: str = "auto",
+    def from_pretrained(cls, model: str = "default", quantization: str = "int4", device: str = "auto",
                         dtype=None, max_num_seqs: int = 128, max_num_batched_tokens: int = 1024,
                         block_size: int = 16, num_kv_blocks: Optional[int] = None,
                         enable_prefix_caching: bool = True, cache_dir: Optional[str] = None,
