@@ -7,7 +7,8 @@ leave behind, using only database state.
   (the embedded filesystem broker loses an in-flight message on SIGKILL);
 - an in_progress batch whose shards are all terminal moves to finalizing; a finalizing
   batch whose finalize message is old is re-sent; a cancelling batch is drained + finalized;
-  a validating batch whose ingest message is old is re-sent; batches past their window expire.
+  a validating batch whose ingest message is old is re-sent.
+Expiry is its own beat task (``expire_batches``): batches past their window are drained.
 Duplicated messages are harmless: every task re-checks state with a conditional UPDATE.
 """
 from __future__ import annotations
@@ -76,10 +77,6 @@ def reconcile(*, settings: Optional[Settings] = None, db_url: Optional[str] = No
             if ids:
                 s.execute(update(Batch).where(Batch.id.in_(ids)).values(last_enqueued_at=now))
                 bucket.extend(i for i in ids if i not in bucket)
-    # 5. expiry (its own transactions: each drain locks one batch's shards)
-    for batch_id in expire_batches(db_url=db_url, now=now):
-        if batch_id not in acts.finalize:
-            acts.finalize.append(batch_id)
     return acts
 
 

@@ -32,9 +32,13 @@ class ShardRun:
 
 
 class _Heartbeat(threading.Thread):
-    def __init__(self, lease: Lease, settings: Settings, db_url: Optional[str]):
+    """Extends the lease every heartbeat_seconds; when the lease is gone (cancel, expiry, or a
+    reclaim after a stall) it aborts the shard's requests in the engine so the run stops now."""
+
+    def __init__(self, lease: Lease, settings: Settings, db_url: Optional[str], engine):  # noqa: ANN001
         super().__init__(daemon=True, name=f"heartbeat-shard-{lease.shard_id}")
-        self.lease, self.settings, self.db_url = lease, settings, db_url
+        self.lease, self.settings, self.db_url, self.engine = lease, settings, db_url, engine
+        self.request_ids: list[str] = []
         self.stop_event = threading.Event()
         self.lost = threading.Event()
 
@@ -43,6 +47,8 @@ class _Heartbeat(threading.Thread):
             try:
                 if not heartbeat(self.lease, self.settings.lease_seconds, db_url=self.db_url):
                     self.lost.set()
+                    for request_id in list(self.request_ids):
+                        self.engine.abort(request_id)
                     return
             except Exception:  # a DB hiccup: try again next beat; the lease outlives a few misses
                 log.exception("heartbeat failed for shard %s", self.lease.shard_id)
@@ -71,7 +77,7 @@ def run_shard(shard_id: int, engine, *, settings: Optional[Settings] = None, own
     lease = claim_shard(shard_id, owner, settings.lease_seconds, device=device, db_url=db_url)
     if lease is None:
         return ShardRun("skipped")
-    beat = _Heartbeat(lease, settings, db_url)
+    beat = _Heartbeat(lease, settings, db_url, engine)
     beat.start()
     try:
         return _run_claimed(lease, engine, settings, device, db_url, beat)
@@ -116,18 +122,21 @@ def _run_claimed(lease: Lease, engine, settings: Settings, device: str, db_url: 
         last_flush = time.monotonic()
 
     flush()
+    beat.request_ids = [r.request_id for r in requests]
     outputs = engine.generate(requests, offline=True)
     try:
         for out in outputs:
             if beat.lost.is_set():
                 raise LeaseLost(f"shard {lease.shard_id}: heartbeat found the lease gone")
             if out.finish_reason == "abort":
-                continue  # aborted here on purpose; stays pending for the next attempt
+                continue  # aborted on purpose (lease lost); it stays pending for whoever owns the shard
             buffer.append(_result_from_output(by_key[out.request_id], out, endpoint, engine.model_name))
             if len(buffer) >= settings.result_flush_rows or time.monotonic() - last_flush >= settings.result_flush_seconds:
                 flush()
     finally:
         outputs.close()  # stop the engine's remaining work if we leave early
+    if beat.lost.is_set():
+        raise LeaseLost(f"shard {lease.shard_id}: heartbeat found the lease gone")
     flush()
     if not complete_shard(lease, db_url=db_url):
         # Lease revoked meanwhile, or outputs missing: hand the shard back for another attempt.

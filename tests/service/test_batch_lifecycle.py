@@ -12,7 +12,7 @@ from jobs.batches import InvalidTransition, batch_progress, cancel_now, request_
 from jobs.finalize import finalize_batch
 from jobs.leases import LeaseLost, RequestResult, claim_shard, complete_shard, pending_requests, write_results
 from jobs.models import Batch, File, Request, RequestStatus, Shard
-from jobs.reconcile import reconcile
+from jobs.reconcile import expire_batches, reconcile
 from storage.db import session_scope
 from tests.service.factories import make_running_batch
 
@@ -142,15 +142,17 @@ def test_cancel_mid_run_keeps_finished_and_drains_the_rest(any_db, store):
     assert sorted(ids) == sorted(f"req-{i}" for i in range(6))
 
 
-def test_expiry_through_reconciler_keeps_partial_results(any_db, store):
+def test_expiry_keeps_partial_results(any_db, store):
     bid, (s1,) = make_running_batch(any_db, store, 3, 1)
     lease = claim_shard(s1, "w", 30, db_url=any_db)
     first = pending_requests(lease, db_url=any_db)[0]
     write_results(lease, [ok(first.id)], 30, db_url=any_db)
     with session_scope(any_db) as s:
         expires = s.get(Batch, bid).expires_at
-    acts = reconcile(db_url=any_db, now=expires + 1)
-    assert bid in acts.finalize
+    assert reconcile(db_url=any_db, now=expires - 1).finalize == []
+    assert expire_batches(db_url=any_db, now=expires - 1) == []
+    assert expire_batches(db_url=any_db, now=expires + 1) == [bid]
+    assert expire_batches(db_url=any_db, now=expires + 2) == []  # once
     with pytest.raises(LeaseLost):
         write_results(lease, [ok(r.id) for r in pending_requests(lease, db_url=any_db)] or [ok(first.id)], 30,
                       db_url=any_db)

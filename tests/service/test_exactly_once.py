@@ -22,7 +22,7 @@ N = 6
 
 def lines(n: int) -> list[dict]:
     return [{"custom_id": f"k{i}", "method": "POST", "url": CHAT,
-             "body": {"model": "default", "max_tokens": 3 + 2 * i, "temperature": 0, "ignore_eos": True,
+             "body": {"model": "default", "max_tokens": 4 if i < 2 else 24, "temperature": 0, "ignore_eos": True,
                       "messages": [{"role": "user", "content": f"Count to {i + 3}."}]}} for i in range(n)]
 
 
@@ -68,7 +68,7 @@ def test_sigkill_mid_shard_reports_every_custom_id_exactly_once(pg_db, redis_url
     try:
         make_celery(settings).send_task(TASK_INGEST, args=[bid], queue="cpu")
         # let the first worker finish some requests of the shard, then kill it (and its pool child)
-        wait_for(lambda: len(done_rows(pg_db, bid)) >= 2, 600, what="two finished requests")
+        wait_for(lambda: len(done_rows(pg_db, bid)) >= 2, 600, 0.1, "two finished requests")
         kill_group(gpu1)
         before = done_rows(pg_db, bid)
         assert 2 <= len(before) < N, "the kill must land mid-shard"

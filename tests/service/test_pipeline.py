@@ -102,3 +102,41 @@ def test_rerun_of_a_done_shard_writes_nothing(any_db, settings_env, tmp_path, en
     assert again.status == "skipped"
     with session_scope(any_db) as s:
         assert {r.worker for r in s.scalars(select(Request).where(Request.batch_id == bid))} == {"test-worker"}
+
+
+def test_cancel_mid_shard_stops_the_engine_via_heartbeat(pg_db, settings_env, tmp_path, engine):
+    import threading
+    import time
+
+    from jobs.batches import cancel_now, request_cancel
+    from storage.objectstore import get_object_store
+    from workers.shard_runner import run_shard
+
+    settings = settings_env(storage_dir=tmp_path / "o", heartbeat_seconds=0.3)
+    store = get_object_store()
+    pid = make_project(pg_db)
+    long = [line(i, max_tokens=400, ignore_eos=True) for i in range(3)]
+    bid = make_batch(pg_db, pid, make_input_file(pg_db, store, pid, long))
+    (shard_id,) = ingest_batch(bid, engine.tokenizer, store=store, settings=settings, db_url=pg_db).shard_ids
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(run=run_shard(
+        shard_id, engine, settings=settings, owner="w", device="cpu", db_url=pg_db)))
+    runner.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with session_scope(pg_db) as s:
+            if s.get(Shard, shard_id).status == "running":
+                break
+        time.sleep(0.1)
+    time.sleep(1.0)
+    with session_scope(pg_db) as s:
+        request_cancel(s, bid)
+    with session_scope(pg_db) as s:
+        assert cancel_now(s, bid)
+    cancelled_at = time.monotonic()
+    runner.join(timeout=120)
+    assert not runner.is_alive()
+    assert result["run"].status == "lease_lost"
+    assert time.monotonic() - cancelled_at < 15  # vs 3 x 400 tokens still to generate
+    out = finalize_batch(bid, store=store, db_url=pg_db)
+    assert (out.status, out.output_lines, out.error_lines) == ("cancelled", 0, 3)
