@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from engine.attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
 from engine.config import ModelConfig
 
 
@@ -33,9 +33,12 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 class ModelRunner:
     """decode_bucket: decode sequences whose context lengths round up to the same multiple of
     this many tokens share one masked attention call (1 = only exactly equal lengths share;
-    larger buckets trade a little masked-out work for fewer per-op calls)."""
+    larger buckets trade a little masked-out work for fewer per-op calls).
+    shared_prefix_attention: when all decode sequences of a step share leading KV blocks (prefix
+    cache hits on a common system prompt), attend to those once for all (cascade attention)."""
 
-    def __init__(self, model, num_kv_blocks: int, block_size: int = 16, decode_bucket: int = 64):
+    def __init__(self, model, num_kv_blocks: int, block_size: int = 16, decode_bucket: int = 64,
+                 shared_prefix_attention: bool = True):
         if num_kv_blocks < 1 or block_size < 1:
             raise ValueError(f"num_kv_blocks ({num_kv_blocks}) and block_size ({block_size}) must be >= 1")
         self.model = model
@@ -45,6 +48,7 @@ class ModelRunner:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.decode_bucket = max(1, decode_bucket)
+        self.shared_prefix_attention = shared_prefix_attention
         shape = (num_kv_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -86,19 +90,30 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
         slot_parts = []
         row = 0
-        for group in self._decode_groups(items, decode):
-            tables = self._block_tables([items[i].block_table for i in group])
-            lengths = torch.tensor([items[i].start_pos + 1 for i in group], dtype=torch.long)
-            width = int(lengths.max())
-            slots = self._slots(tables, torch.arange(width).expand(len(group), width))
-            slot_parts.append(slots[torch.arange(len(group)), lengths - 1])
-            mask = None
-            if int(lengths.min()) != width:
-                valid = torch.arange(width)[None, :] < lengths[:, None]
-                slots = torch.where(valid, slots, torch.zeros_like(slots))
-                mask = valid[:, None, None, :].to(device)
-            meta.decode_groups.append(DecodeGroup(row, row + len(group), slots.to(device), mask))
-            row += len(group)
+        if decode:
+            decode_items = [items[i] for i in decode]
+            prefix_blocks = self._shared_prefix_blocks(decode_items)
+            prefix_len = prefix_blocks * self.block_size
+            batch = DecodeBatch(len(decode), [])
+            if prefix_blocks:
+                table = torch.tensor(decode_items[0].block_table[:prefix_blocks], dtype=torch.long)
+                batch.prefix_slots = self._slots(table, torch.arange(prefix_len)).to(device)
+            for group in self._decode_groups(items, decode):
+                tables = self._block_tables([items[i].block_table for i in group])
+                lengths = torch.tensor([items[i].start_pos + 1 for i in group], dtype=torch.long)
+                width = int(lengths.max()) - prefix_len
+                offsets = torch.arange(prefix_len, prefix_len + width)
+                slots = self._slots(tables, offsets.expand(len(group), width))
+                slot_parts.append(slots[torch.arange(len(group)), lengths - 1 - prefix_len])
+                mask = None
+                if int(lengths.min()) - prefix_len != width:
+                    valid = offsets[None, :] < lengths[:, None]
+                    slots = torch.where(valid, slots, torch.zeros_like(slots))
+                    mask = torch.zeros(valid.shape, dtype=self.dtype).masked_fill_(~valid, float("-inf"))
+                    mask = mask[:, None, None, :].to(device)
+                batch.groups.append(DecodeGroup(row, row + len(group), slots.to(device), mask))
+                row += len(group)
+            meta.decode = batch
         for i in prefill:
             item = items[i]
             n, start = len(item.token_ids), item.start_pos
@@ -119,6 +134,18 @@ class ModelRunner:
             self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=device)
         return self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
+
+    def _shared_prefix_blocks(self, decode_items: list[StepItem]) -> int:
+        """Leading blocks that every decode sequence shares (same block ids), all strictly before
+        each sequence's new token; 0 when cascade attention is off or would not pay."""
+        if not self.shared_prefix_attention or len(decode_items) < 2:
+            return 0
+        limit = min(it.start_pos for it in decode_items) // self.block_size
+        first = decode_items[0].block_table
+        count = 0
+        while count < limit and all(it.block_table[count] == first[count] for it in decode_items):
+            count += 1
+        return count
 
     def _decode_groups(self, items: list[StepItem], decode: list[int]) -> list[list[int]]:
         """Decode item indices (sorted by context length) split into length buckets."""

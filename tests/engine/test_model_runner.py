@@ -152,3 +152,58 @@ def test_kv_bytes_per_block(fp32_model):
     cfg = fp32_model.config
     assert runner.kv_bytes_per_block == 2 * cfg.num_layers * BLOCK_SIZE * cfg.num_kv_heads * cfg.head_dim * 4
     assert sum(k.numel() + v.numel() for k, v in runner.kv_caches) * 4 == 2 * runner.kv_bytes_per_block
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_sequences(hf_tokenizer):
+    """A 40+-token shared system prompt, then different user turns, then continuation ids."""
+    system = hf_tokenizer.encode("You are a careful assistant. Answer briefly, cite sources when you can, "
+                                 "and never invent facts. Today we talk about geography and history: rivers, "
+                                 "mountains, old empires, trade routes and the cities that grew along them.")
+    rng = random.Random(2)
+    turns = ["Where is Lima?", "Who built the pyramids of Giza and when were they finished?", "Capital of Mongolia",
+             "Tell me about the Hanseatic League, its cities and its trade routes across the Baltic."]
+    return [system + hf_tokenizer.encode(t) + [rng.randrange(1000, 40000) for _ in range(DECODE_STEPS)]
+            for t in turns], len(system)
+
+
+@pytest.mark.parametrize("shared_prefix_attention", [True, False])
+def test_shared_prefix_blocks_match_transformers(fp32_model, hf_reference_model, shared_prefix_sequences,
+                                                 shared_prefix_attention):
+    """Sequences reuse the first sequence's full prefix blocks (as the prefix cache does) and decode
+    together: the cascade path (prefix read once) and the plain path both match transformers."""
+    sequences, system_len = shared_prefix_sequences
+    with torch.inference_mode():
+        reference = [hf_reference_model(torch.tensor([s])).logits[0] for s in sequences]
+    runner = ModelRunner(fp32_model, num_kv_blocks=64, block_size=BLOCK_SIZE, decode_bucket=8,
+                         shared_prefix_attention=shared_prefix_attention)
+    shared_blocks = system_len // BLOCK_SIZE
+    assert shared_blocks >= 2
+    fresh = iter(range(shared_blocks, 64))
+    tables = [list(range(shared_blocks)) + [next(fresh) for _ in range(8)] for _ in sequences]
+    prompt_lens = [len(s) - DECODE_STEPS for s in sequences]
+    runner.execute([StepItem(sequences[0][:prompt_lens[0]], 0, tables[0], False)])
+    cached = shared_blocks * BLOCK_SIZE
+    rows = runner.execute([StepItem(s[cached:n], cached, t, True)
+                           for s, n, t in zip(sequences[1:], prompt_lens[1:], tables[1:])])
+    worst = max((row - ref[n - 1]).abs().max().item() for row, ref, n in zip(rows, reference[1:], prompt_lens[1:]))
+    for step in range(DECODE_STEPS):
+        items = [StepItem([s[n + step]], n + step, t, True) for s, n, t in zip(sequences, prompt_lens, tables)]
+        for row, ref, n in zip(runner.execute(items), reference, prompt_lens):
+            worst = max(worst, (row - ref[n + step]).abs().max().item())
+    assert worst < TOLERANCE, f"max abs logit difference {worst:.2e}"
+    prefix = runner._shared_prefix_blocks([StepItem([1], n, t) for n, t in zip(prompt_lens, tables)])
+    assert prefix == (shared_blocks if shared_prefix_attention else 0)
+
+
+def test_attention_with_lse_math_matches_cpu_kernel():
+    from engine.attention import attention_with_lse, attention_with_lse_math
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16)
+    mask = torch.zeros(2, 1, 1, 9)
+    mask[1, ..., 6:] = float("-inf")
+    out, lse = attention_with_lse(q, k, v, mask, 0.25)
+    out_m, lse_m = attention_with_lse_math(q, k, v, mask, 0.25)
+    assert torch.allclose(out, out_m, atol=1e-5) and torch.allclose(lse, lse_m, atol=1e-5)
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25)
+    assert torch.allclose(out, reference, atol=1e-5)
