@@ -10,6 +10,10 @@ tensors dequantized exactly). Two INT4 variants are compared with it:
 * ``rtn-g128``: round-to-nearest from the fp weights at group 128 (64 where a 576-wide row
   does not divide by 128) - a grid the GGUF weights were not on.
 
+With ``--awq``, a third variant ``rtn-g128-awq`` adds activation-aware per-channel scaling
+(engine/quant/awq.py) calibrated on a few texts unrelated to the evaluation prompts; it is
+measured here only, the engine does not load with it.
+
 Each INT4 variant runs twice: with its CPU dense path (dequantized float32 weights, used for
 steps of more than 8 rows) and with torch's int4 kernel forced for every decode step (the path
 batch-1 decode takes; bfloat16 activations). On a fixed set of chat prompts it reports:
@@ -91,6 +95,39 @@ class _Stepper:
         return tokens, torch.stack(logprobs)
 
 
+CALIBRATION_TEXTS = (
+    "The history of science is full of surprising discoveries, accidents and long arguments.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Dear customer, thank you for your order. Your package will arrive next week by courier.",
+    "In 1492 Columbus sailed across the Atlantic Ocean and reached the islands of the Caribbean.",
+    "To bake bread, mix flour, water, salt and yeast, knead the dough and let it rise for hours.",
+    "The stock market fell sharply on Monday as investors worried about rising interest rates.",
+)
+
+
+def apply_awq(int4_model, fp_model, tokenizer, group_size: int = 128) -> list[float]:
+    """Re-quantize every Int4Linear of ``int4_model`` with AWQ scaling from ``fp_model``'s weights
+    and activations on CALIBRATION_TEXTS; returns the chosen alphas."""
+    from engine.quant.awq import collect_activation_stats, quantize_awq
+    from engine.quant.format import fitting_group_size
+
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in CALIBRATION_TEXTS]
+
+    def run_calibration():
+        _Stepper(fp_model, texts, 1).run(1)
+
+    stats = collect_activation_stats(fp_model, run_calibration)
+    alphas = []
+    for path, module in int4_model.named_modules():
+        if isinstance(module, Int4Linear):
+            weight = fp_model.get_submodule(path).weight.float()
+            group = fitting_group_size(weight.shape[1], group_size)
+            q, input_scale, alpha = quantize_awq(weight, stats[f"model.{path}"], group)
+            module.set_weight(q, input_scale)
+            alphas.append(alpha)
+    return alphas
+
+
 def _load(model: str, quant_config, cache_dir):
     from engine.loader import load_model
     return load_model(model, dtype=torch.float32, quant_config=quant_config, cache_dir=cache_dir)
@@ -113,22 +150,27 @@ def quantized_layer_bytes(model) -> tuple[int, int]:
 
 
 def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32,
-             cache_dir: str | None = None, log=print) -> dict:
+             cache_dir: str | None = None, awq: bool = False, log=print) -> dict:
     from engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model, cache_dir=cache_dir)
     prompts = [tokenizer.apply_chat_template(m) for m in quality_prompts(num_prompts)]
     start = time.perf_counter()
-    fp_stepper = _Stepper(_load(model, None, cache_dir), prompts, new_tokens)
-    fp_tokens, fp_logprobs = fp_stepper.run(new_tokens)
+    fp_model = _load(model, None, cache_dir)
+    fp_tokens, fp_logprobs = _Stepper(fp_model, prompts, new_tokens).run(new_tokens)
     log(f"fp: {len(prompts)} prompts x {new_tokens} tokens in {time.perf_counter() - start:.1f}s")
-    del fp_stepper
 
     variants = {"gguf-import": QuantConfig(),
                 "rtn-g128": QuantConfig(group_size=128, import_gguf_blocks=False)}
+    if awq:
+        variants["rtn-g128-awq"] = variants["rtn-g128"]
     results, sizes = [], {}
     for variant, config in variants.items():
         int4_model = _load(model, config, cache_dir)
+        if variant.endswith("-awq"):
+            alphas = apply_awq(int4_model, fp_model, tokenizer)
+            log(f"AWQ alphas per layer: mean {sum(alphas) / len(alphas):.2f}, "
+                f"{sum(a == 0 for a in alphas)} of {len(alphas)} layers kept plain RTN")
         stored, dense = quantized_layer_bytes(int4_model)
         groups = sorted({m.group_size for m in int4_model.modules() if isinstance(m, Int4Linear)})
         sizes[variant] = {"int4_bytes": stored, "bf16_bytes": dense, "ratio_vs_bf16": dense / stored,
@@ -158,11 +200,12 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--awq", action="store_true", help="also measure RTN g128 with AWQ scaling")
     ap.add_argument("--json", default=None, help="also write the report to this file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = evaluate(args.model, args.prompts, args.tokens, args.cache_dir)
+    report = evaluate(args.model, args.prompts, args.tokens, args.cache_dir, awq=args.awq)
     for variant, size in report["checkpoint_sizes"].items():
         print(f"{variant:12s} quantized layers: {size['int4_bytes'] / 2**20:.1f} MiB INT4 vs "
               f"{size['bf16_bytes'] / 2**20:.1f} MiB bf16 ({size['ratio_vs_bf16']:.2f}x smaller; "

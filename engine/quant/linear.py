@@ -56,6 +56,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
         self.register_buffer("bias", bias)
+        # AWQ-style activation multiplier [K] (None: plain weights), see engine/quant/awq.py
+        self.register_buffer("input_scale", None)
         # Kernel-specific forms of the same weight, built on first use per (device, dtype);
         # not part of the state dict (the INT4 format is what is stored and moved).
         self._tinygemm_packed: torch.Tensor | None = None
@@ -73,6 +75,15 @@ class Int4Linear(nn.Module):
         self._dense = {}
         return super()._apply(fn, recurse)
 
+    def set_weight(self, weight: Int4Weight, input_scale: torch.Tensor | None = None) -> None:
+        """Replace the INT4 weight (same shape), optionally with an activation multiplier."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {weight.shape} != {(self.out_features, self.in_features)}")
+        self.group_size = weight.group_size
+        self.qweight, self.scales, self.mins = weight.qweight, weight.scales, weight.mins
+        self.input_scale = input_scale
+        self._apply(lambda t: t)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}")
@@ -80,6 +91,8 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
+        if self.input_scale is not None:
+            x2d = x2d * self.input_scale.to(x2d.dtype)
         if x.is_cuda:
             from engine.quant.triton_int4 import int4_matmul
             y = int4_matmul(x2d, self.qweight, self.scales, self.mins, self.group_size)
