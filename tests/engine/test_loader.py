@@ -154,3 +154,37 @@ def test_hf_directory_logits_match_transformers(make, hf_tokenizer, tmp_path):
         got[pos] = runner.execute([StepItem([ids[pos]], pos, table)])[0]
     worst = max((row - expected[pos]).abs().max().item() for pos, row in got.items())
     assert worst < 1e-4, f"max abs logit difference {worst:.2e}"
+
+
+def test_gguf_rope_freqs_divisors_reproduce_llama3_scaling():
+    """llama.cpp stores llama3 RoPE scaling as per-frequency divisors (`rope_freqs.weight`);
+    dividing by them must give the same tables as the llama3 rule from a HF config."""
+    from engine.gguf_file import hf_name
+    from engine.models.llama import RotaryEmbedding, rope_inv_freq
+    base = dict(architecture="llama", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
+                intermediate_size=128, vocab_size=100, rms_norm_eps=1e-5, rope_theta=500000.0,
+                max_position_embeddings=512, tie_word_embeddings=True)
+    plain = ModelConfig(**base)
+    scaled = ModelConfig(**base, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    divisors = rope_inv_freq(plain) / rope_inv_freq(scaled)
+    assert divisors.max() > 7.9 and divisors.min() == 1.0
+    assert torch.allclose(RotaryEmbedding(plain, divisors).cos, RotaryEmbedding(scaled).cos, atol=1e-5)
+    assert hf_name("rope_freqs.weight") == "rope_freqs"
+    assert hf_name("blk.3.attn_k.weight") == "model.layers.3.self_attn.k_proj.weight"
+    with pytest.raises(ValueError, match="no known Llama-family mapping"):
+        hf_name("blk.0.ffn_gate_exps.weight")
+
+
+def test_gguf_metadata_config_errors():
+    meta = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.block_count": 2,
+            "llama.attention.head_count": 4, "llama.feed_forward_length": 128, "llama.vocab_size": 100}
+    cfg = ModelConfig.from_gguf_metadata(meta, has_output_weight=True)
+    assert cfg.head_dim == 16 and cfg.num_kv_heads == 4 and not cfg.tie_word_embeddings
+    with pytest.raises(ValueError, match="missing 'llama.block_count'"):
+        ModelConfig.from_gguf_metadata({k: v for k, v in meta.items() if k != "llama.block_count"}, True)
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'"):
+        ModelConfig.from_gguf_metadata({**meta, "general.architecture": "phi3"}, True)
+    linear = ModelConfig.from_gguf_metadata({**meta, "llama.rope.scaling.type": "linear",
+                                             "llama.rope.scaling.factor": 4.0}, True)
+    assert linear.rope_scaling == {"rope_type": "linear", "factor": 4.0}

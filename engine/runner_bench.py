@@ -1,0 +1,85 @@
+"""Step-time benchmark of the ModelRunner alone (no scheduler): `python -m engine.runner_bench`.
+
+Decode: B sequences with one new token each, contexts of random length in [--min-len, --max-len],
+all sharing --shared-blocks leading KV blocks (a common system prompt, as prefix-cache hits give);
+timed with cascade (shared-prefix) attention on and off and for several decode buckets.
+Prefill: one chunk of --chunk tokens over a cached prefix. Also times the load of the model.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from engine.loader import load_model
+from engine.model_runner import ModelRunner, StepItem
+
+
+def decode_items(batch: int, min_len: int, max_len: int, shared_blocks: int, block_size: int, seed: int = 0):
+    rng = random.Random(seed)
+    lengths = [rng.randint(min_len, max_len) for _ in range(batch)]
+    next_block = shared_blocks
+    items = []
+    for length in lengths:
+        own = (length + 1 + block_size - 1) // block_size - shared_blocks
+        table = list(range(shared_blocks)) + list(range(next_block, next_block + own))
+        next_block += own
+        items.append(StepItem([rng.randrange(1000, 40000)], length, table, True))
+    return items, next_block
+
+
+def time_step(runner: ModelRunner, items, repeats: int) -> float:
+    runner.execute(items)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runner.execute(items)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--min-len", type=int, default=220)
+    parser.add_argument("--max-len", type=int, default=390)
+    parser.add_argument("--shared-blocks", type=int, default=13)
+    parser.add_argument("--buckets", type=int, nargs="+", default=[1, 64, 100000])
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    block_size = 16
+
+    start = time.perf_counter()
+    model = load_model(args.model, dtype=getattr(torch, args.dtype))
+    print(f"model load {time.perf_counter() - start:.2f} s ({args.dtype}, {args.threads} threads, "
+          f"cpu {torch.backends.cpu.get_cpu_capability()})")
+    for batch in args.batch:
+        items, blocks = decode_items(batch, args.min_len, args.max_len, args.shared_blocks, block_size)
+        for cascade in (True, False):
+            for bucket in args.buckets:
+                runner = ModelRunner(model, blocks + 1, block_size, decode_bucket=bucket,
+                                     shared_prefix_attention=cascade)
+                seconds = time_step(runner, items, args.repeats)
+                print(f"decode B={batch:3d} ctx {args.min_len}-{args.max_len} cascade={'on ' if cascade else 'off'} "
+                      f"bucket={bucket:6d}: {seconds * 1000:8.1f} ms/step  {batch / seconds:7.1f} tok/s")
+            if batch == 1:
+                break
+    runner = ModelRunner(model, (args.shared_blocks * block_size + args.chunk) // block_size + 2, block_size)
+    cached = args.shared_blocks * block_size
+    table = list(range(runner.num_kv_blocks))
+    runner.execute([StepItem(list(range(1000, 1000 + cached)), 0, table, False)])
+    chunk = StepItem(list(range(2000, 2000 + args.chunk)), cached, table, True)
+    seconds = time_step(runner, [chunk], args.repeats)
+    print(f"prefill chunk of {args.chunk} over {cached} cached: {seconds * 1000:.1f} ms  "
+          f"{args.chunk / seconds:.0f} tok/s")
+
+
+if __name__ == "__main__":
+    main()
