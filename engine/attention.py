@@ -27,7 +27,9 @@ class PrefillSpan:
     row_end: int
     start_pos: int                          # tokens already in the cache before this step
     context_slots: Optional[torch.Tensor]   # [start_pos + n] slots of every position; None if start_pos == 0
-    mask: Optional[torch.Tensor]            # [n, start_pos + n] bool causal mask; None if start_pos == 0
+    # additive causal mask (0 / -inf, model dtype) `[n * group, start_pos + n]`, rows ordered like
+    # `_grouped` queries (position-major, `group` query heads per KV head); None if start_pos == 0
+    mask: Optional[torch.Tensor]
 
 
 @dataclass
@@ -156,10 +158,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         return out.squeeze(0).transpose(0, 1)
     keys = gather_kv(k_cache, span.context_slots).transpose(0, 1).unsqueeze(0)   # [1, kv_heads, L, D]
     values = gather_kv(v_cache, span.context_slots).transpose(0, 1).unsqueeze(0)
-    group = heads // keys.shape[1]
-    mask = span.mask.repeat_interleave(group, dim=0) if group > 1 else span.mask
     out = F.scaled_dot_product_attention(_grouped(q.unsqueeze(0), keys.shape[1]), keys, values,
-                                         attn_mask=mask, scale=scale)
+                                         attn_mask=span.mask, scale=scale)
     return _ungrouped(out, n, heads).squeeze(0)
 
 

@@ -123,7 +123,7 @@ class ModelRunner:
             span = PrefillSpan(row, row + n, start, None, None)
             if start > 0:
                 span.context_slots = context.to(device)
-                span.mask = (torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]).to(device)
+                span.mask = self._causal_mask(start, n).to(device)
             meta.prefills.append(span)
             row += n
         meta.slot_mapping = torch.cat(slot_parts).to(device)
@@ -134,6 +134,14 @@ class ModelRunner:
             self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
             return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=device)
         return self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
+
+    def _causal_mask(self, start: int, n: int) -> torch.Tensor:
+        """Additive mask for n new tokens after `start` cached ones, one row per (token, query head
+        of a KV group), built once per step rather than once per layer."""
+        allowed = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+        group = self.config.num_heads // self.config.num_kv_heads
+        mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, float("-inf"))
+        return mask.repeat_interleave(group, dim=0) if group > 1 else mask
 
     def _shared_prefix_blocks(self, decode_items: list[StepItem]) -> int:
         """Leading blocks that every decode sequence shares (same block ids), all strictly before
