@@ -1,0 +1,86 @@
+"""INT4 on the real default model: GGUF import reproduces the full-precision logits, the int4
+kernel stays close, and the quantized checkpoint is cached on disk."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.loader import cache_root, load_model, resolve_model, source_fingerprint
+from engine.model_runner import ModelRunner, StepItem
+from engine.quant import cache as quant_cache
+from engine.quant.config import QuantConfig
+from engine.quant.linear import Int4Linear
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[1, 4093, 314, 253, 3458, 282, 4649, 30], [1, 504, 3575, 282, 4649, 314, 2777, 30, 378]]
+
+
+@pytest.fixture(scope="module")
+def int4_model():
+    return load_model("default", dtype=torch.float32, quant_config=QuantConfig())
+
+
+def _last_logits(model, rows: int) -> torch.Tensor:
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.cpu_int4_max_rows = rows
+    runner = ModelRunner(model, num_kv_blocks=4, block_size=16)
+    out = [runner.execute([StepItem(p, 0, [2 * i, 2 * i + 1])]) for i, p in enumerate(PROMPTS)]
+    # one decode step too (M = 1: the int4 kernel when rows >= 1)
+    out += [runner.execute([StepItem([p[-1]], len(p), [2 * i, 2 * i + 1])]) for i, p in enumerate(PROMPTS)]
+    return torch.cat(out)
+
+
+def test_gguf_import_runs_the_shipped_weights(int4_model, fp32_model):
+    layers = [m for m in int4_model.modules() if isinstance(m, Int4Linear)]
+    assert len(layers) == 4 * int4_model.config.num_layers
+    assert {m.group_size for m in layers} == {32}
+    assert not isinstance(getattr(int4_model, "lm_head", None), Int4Linear)  # full precision
+    reference = _last_logits(fp32_model, 0)
+    # dense path: the dequantized INT4 weights are exactly the full-precision ones (only the
+    # matmul's blocking may differ, float32 rounding)
+    dense = _last_logits(int4_model, 0)
+    assert torch.allclose(dense, reference, rtol=1e-5, atol=1e-4)
+    assert torch.equal(dense.argmax(-1), reference.argmax(-1))
+    # int4 kernel for every step (bfloat16 activations): same top-1, small KL
+    kernel = _last_logits(int4_model, 1 << 30)
+    assert torch.equal(kernel.argmax(-1), reference.argmax(-1))
+    kl = F.kl_div(kernel.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert kl < 0.02
+
+
+def test_quantized_checkpoint_is_cached(int4_model, monkeypatch):
+    path = quant_cache.cache_file(cache_root(None), source_fingerprint(resolve_model("default")), QuantConfig())
+    assert path.exists()
+    hits = []
+    original = quant_cache.QuantizedCheckpointCache.get
+
+    def counting_get(self, layer):
+        weight = original(self, layer)
+        hits.append(weight is not None)
+        return weight
+
+    monkeypatch.setattr(quant_cache.QuantizedCheckpointCache, "get", counting_get)
+    again = load_model("default", dtype=torch.float32, quant_config=QuantConfig())
+    assert len(hits) == 4 * again.config.num_layers and all(hits)
+    a = dict(int4_model.named_buffers())
+    b = dict(again.named_buffers())
+    assert all(torch.equal(a[k], b[k]) for k in a if k.endswith(("qweight", "scales", "mins")))
+
+
+def test_engine_defaults_to_int4_and_matches_full_precision_greedy(fp32_model):
+    from engine.engine import Engine
+    from engine.tokenizer import load_tokenizer
+    from engine.types import GenerationRequest, SamplingParams
+
+    tokenizer = load_tokenizer("default")
+    engine = Engine.from_pretrained(dtype="float32", max_num_seqs=4)  # quantization left default
+    assert any(isinstance(m, Int4Linear) for m in engine.runner.model.modules())
+    fp_engine = Engine.from_model(fp32_model, tokenizer, "fp", max_num_seqs=4)
+    questions = ["What is the capital of France?", "Name three primary colors."]
+    requests = [GenerationRequest(f"r{i}", tokenizer.apply_chat_template([{"role": "user", "content": q}]),
+                                  SamplingParams(max_tokens=12, temperature=0)) for i, q in enumerate(questions)]
+    int4_out = {o.request_id: o.token_ids for o in engine.generate(requests)}
+    fp_out = {o.request_id: o.token_ids for o in fp_engine.generate(requests)}
+    assert int4_out == fp_out
+    assert all(len(t) > 0 for t in int4_out.values())
