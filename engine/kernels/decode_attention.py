@@ -7,9 +7,10 @@ rows of one `tl.dot` (padded to 16), so each K/V tile is read once for all of th
 is walked in tiles of BLOCK_N positions with an online softmax (running max and sum).
 
 Split-KV ("flash decoding"): with few sequences the (sequence, KV head) grid leaves most SMs
-idle, so the context is cut into partitions of `partition_size` positions, each program writes
-a partial output and its log-sum-exp, and `merge_partitions` combines them. With one partition
-the kernel writes the output directly.
+idle, so the context is cut into partitions of `partition_size` positions (by default chosen from
+the batch size: `choose_partition_size`), each program writes a partial output and its
+log-sum-exp, and `merge_partitions` combines them. With one partition the kernel writes the
+output directly.
 """
 from __future__ import annotations
 
@@ -76,6 +77,20 @@ def merge_partitions(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhp,bphd->bhd", weights, partial)
 
 
+def choose_partition_size(batch: int, kv_heads: int, max_context_len: int, block_n: int,
+                          target_programs: int = 264, min_partition: int = 128) -> int:
+    """Context positions per program: one partition (no merge) when batch x KV heads already
+    gives `target_programs` (~2 per SM of an H100), else enough partitions to get there, none
+    shorter than `min_partition` positions; always a multiple of block_n."""
+    whole = triton.cdiv(max(max_context_len, 1), block_n) * block_n
+    programs = batch * kv_heads
+    if programs >= target_programs:
+        return whole
+    size = triton.cdiv(max_context_len, triton.cdiv(target_programs, programs))
+    size = max(size, min_partition)
+    return min(triton.cdiv(size, block_n) * block_n, whole)
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """float32 inputs: exact IEEE dots (not TF32), so float32 results match the reference."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -83,12 +98,13 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           max_context_len: Optional[int] = None, partition_size: int = 512,
+                           max_context_len: Optional[int] = None, partition_size: Optional[int] = None,
                            block_n: int = 32) -> torch.Tensor:
     """q `[B, H, D]` -> `[B, H, D]` (q's dtype). block_tables `[B, max_blocks]` int32 (entries past a
     sequence's blocks are ignored), context_lens `[B]` int32 (>= 1, including the new token).
     max_context_len: an upper bound of context_lens known on the host (sets how many partitions;
-    None reads it from context_lens, a device sync)."""
+    None reads it from context_lens, a device sync). partition_size: context positions per program
+    (split-KV); None chooses by batch size (choose_partition_size)."""
     batch, heads, head_dim = q.shape
     _, page, kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or heads % kv_heads:
@@ -96,12 +112,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          f"{kv_heads} KV heads x {cache_dim}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1:
         raise ValueError("decode attention: the pool must be contiguous and q's last dim dense")
-    if partition_size % block_n:
+    if partition_size is not None and partition_size % block_n:
         raise ValueError(f"partition_size {partition_size} must be a multiple of block_n {block_n}")
     if batch == 0:
         return torch.empty_like(q)
     if max_context_len is None:
         max_context_len = int(context_lens.max())
+    if partition_size is None:
+        partition_size = choose_partition_size(batch, kv_heads, max_context_len, block_n)
     group = heads // kv_heads
     partitions = triton.cdiv(max_context_len, partition_size)
     split = partitions > 1

@@ -10,7 +10,7 @@ from kernel_cases import kernel_dtypes, random_block_tables, random_pool, use_in
 
 DEVICE = use_interpreter_without_cuda()
 
-from engine.kernels.decode_attention import merge_partitions, paged_decode_attention  # noqa: E402
+from engine.kernels.decode_attention import choose_partition_size, merge_partitions, paged_decode_attention  # noqa: E402,E501
 from engine.kernels.reference import decode_attention_reference  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -49,6 +49,21 @@ def test_decode_odd_group_and_head_dim():
 
 def test_decode_page_larger_than_tile():
     run_case([50, 21], heads=2, kv_heads=1, head_dim=16, page=32, dtype=torch.float32, partition_size=64)
+
+
+def test_decode_default_partitioning():
+    # 3 sequences x 1 KV head: split into partitions of min_partition=128 positions -> 2 here
+    assert choose_partition_size(3, 1, 200, 32) == 128
+    run_case([200, 7, 130], heads=2, kv_heads=1, head_dim=16, page=16, dtype=torch.float32, partition_size=None,
+             block_n=32)
+
+
+def test_choose_partition_size():
+    assert choose_partition_size(256, 8, 1000, 32) == 1024          # enough programs: one partition
+    assert choose_partition_size(1, 8, 4096, 32) == 128             # batch 1: 32 partitions of 128
+    assert choose_partition_size(1, 8, 100000, 32) == 3040          # long context: 33 x 8 >= 264 programs
+    assert choose_partition_size(2, 8, 40, 32) == 64                # short context: never past the context
+    assert choose_partition_size(1, 1, 0, 32) == 32
 
 
 def test_merge_partitions_skips_empty_partitions():
