@@ -132,7 +132,14 @@ def tiny_qwen2(path: Path):
     return model
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2], ids=["llama-untied-llama3rope", "qwen2-bias-tied"])
+def tiny_mistral(path: Path):
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(**TINY, tie_word_embeddings=False, sliding_window=4096,
+                                            rope_scaling={"rope_type": "linear", "factor": 2.0}))
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, tiny_mistral],
+                         ids=["llama-untied-llama3rope", "qwen2-bias-tied", "mistral-linearrope"])
 def test_hf_directory_logits_match_transformers(make, hf_tokenizer, tmp_path):
     torch.manual_seed(0)
     reference = make(tmp_path).eval()
@@ -142,6 +149,9 @@ def test_hf_directory_logits_match_transformers(make, hf_tokenizer, tmp_path):
     ours = load_model(str(tmp_path))
     assert ours.config.architecture == saved["model_type"]
     assert ours.config.tie_word_embeddings == saved["tie_word_embeddings"]
+    rope = saved.get("rope_parameters") or saved.get("rope_scaling") or {}
+    assert (ours.config.rope_scaling or {}).get("rope_type") == \
+        (None if rope.get("rope_type", "default") == "default" else rope["rope_type"])
 
     ids = hf_tokenizer.encode("A tiny model still has to agree with transformers, token for token. " * 2)
     with torch.inference_mode():
