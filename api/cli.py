@@ -72,6 +72,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _cmd_results(args: argparse.Namespace) -> int:
     client = _client(args)
     batch = client.batch(args.batch_id)
+    if not (batch.get("output_file_id") or batch.get("error_file_id")):
+        print(f"batch {batch['id']} is {batch['status']}: no result files (yet)", file=sys.stderr)
+        return 1
     wanted = {"all": ("output_file_id", "error_file_id"), "output": ("output_file_id",),
               "errors": ("error_file_id",)}[args.which]
     out = sys.stdout.buffer

@@ -54,6 +54,13 @@ def test_serve_submit_wait_results(tmp_path):
         assert [x["custom_id"] for x in lines] == expected          # each once, in input order
         assert all(x["response"]["status_code"] == 200 for x in lines)
 
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text('{"custom_id": "x", "method": "GET", "url": "/v1/chat/completions", "body": {}}\n')
+        failed = nightshift(env, "submit", str(bad), "--wait", "--quiet")
+        assert failed.returncode == 1 and b"line 1: Only the POST method" in failed.stderr
+        no_results = nightshift(env, "results", failed.stdout.decode().strip())
+        assert no_results.returncode == 1 and b"is failed: no result files" in no_results.stderr
+
         new_key = nightshift(env, "keys", "create", "--project", "second")
         assert new_key.returncode == 0
         other = nightshift(env, "status", batch_id, "--api-key", new_key.stdout.decode().strip())
