@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,8 +14,13 @@ from .api_fixtures import REPO, Service, free_port, service_env, wait_http
 
 
 def nightshift(env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "api.cli", *args], env=env, cwd=REPO, capture_output=True,
-                          timeout=timeout)
+    try:
+        return subprocess.run([sys.executable, "-m", "api.cli", *args], env=env, cwd=REPO, capture_output=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        logs = Path(env["NIGHTSHIFT_HOME"]) / "logs"
+        tails = {p.name: p.read_text(errors="replace")[-3000:] for p in sorted(logs.glob("*.log"))}
+        raise AssertionError(f"`nightshift {' '.join(args)}` ran over {timeout}s; worker logs: {tails}") from None
 
 
 def small_input(path, n: int = 4):  # noqa: ANN001, ANN201
