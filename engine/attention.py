@@ -43,17 +43,18 @@ class DecodeGroup:
 
 @dataclass
 class DecodeBatch:
-    """All decode sequences of a step (one new token each): rows [0, num_rows) of the flat batch,
-    sorted by context length. `prefix_slots`: positions 0..P-1, identical blocks for every sequence."""
-    num_rows: int
-    groups: list[DecodeGroup]
-    prefix_slots: Optional[torch.Tensor] = None   # [P], P < every sequence's length
+    """Decode sequences (one new token each) at rows [row_start, row_end) of the flat batch, sorted
+    by context length. `prefix_slots`: positions 0..P-1, the same blocks for every sequence here."""
+    row_start: int
+    row_end: int
+    groups: list[DecodeGroup]                      # rows relative to row_start
+    prefix_slots: Optional[torch.Tensor] = None    # [P], P < every sequence's length
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor              # [T] where each new token's K/V is written
-    decode: Optional[DecodeBatch] = None    # rows first in the batch
+    decode: list[DecodeBatch] = field(default_factory=list)     # rows first in the batch, in order
     prefills: list[PrefillSpan] = field(default_factory=list)   # then these, in row order
 
 
@@ -166,9 +167,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention for a whole flat batch `q [T, H, D]` (new k/v `[T, kv_heads, D]` already stored)."""
-    outputs = []
-    if meta.decode is not None:
-        outputs.append(decode_attention(q[:meta.decode.num_rows], k_cache, v_cache, meta.decode, scale))
+    outputs = [decode_attention(q[b.row_start:b.row_end], k_cache, v_cache, b, scale) for b in meta.decode]
     outputs += [prefill_attention(q[s.row_start:s.row_end], k[s.row_start:s.row_end], v[s.row_start:s.row_end],
                                   k_cache, v_cache, s, scale) for s in meta.prefills]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

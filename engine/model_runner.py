@@ -69,16 +69,15 @@ class ModelRunner:
             raise ValueError("execute() needs at least one StepItem")
         for index, item in enumerate(items):
             self._check(index, item)
-        decode = sorted((i for i, it in enumerate(items) if len(it.token_ids) == 1 and it.start_pos > 0),
-                        key=lambda i: items[i].start_pos)
+        families = self._decode_families(items)
+        decode = [i for family in families for i in family]
         decode_set = set(decode)
         prefill = [i for i in range(len(items)) if i not in decode_set]
-        order = decode + prefill
 
         token_ids: list[int] = []
         positions: list[int] = []
         last_row = {}
-        for i in order:
+        for i in decode + prefill:
             item = items[i]
             token_ids.extend(item.token_ids)
             positions.extend(range(item.start_pos, item.start_pos + len(item.token_ids)))
@@ -90,30 +89,11 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
         slot_parts = []
         row = 0
-        if decode:
-            decode_items = [items[i] for i in decode]
-            prefix_blocks = self._shared_prefix_blocks(decode_items)
-            prefix_len = prefix_blocks * self.block_size
-            batch = DecodeBatch(len(decode), [])
-            if prefix_blocks:
-                table = torch.tensor(decode_items[0].block_table[:prefix_blocks], dtype=torch.long)
-                batch.prefix_slots = self._slots(table, torch.arange(prefix_len)).to(device)
-            for group in self._decode_groups(items, decode):
-                tables = self._block_tables([items[i].block_table for i in group])
-                lengths = torch.tensor([items[i].start_pos + 1 for i in group], dtype=torch.long)
-                width = int(lengths.max()) - prefix_len
-                offsets = torch.arange(prefix_len, prefix_len + width)
-                slots = self._slots(tables, offsets.expand(len(group), width))
-                slot_parts.append(slots[torch.arange(len(group)), lengths - 1 - prefix_len])
-                mask = None
-                if int(lengths.min()) - prefix_len != width:
-                    valid = offsets[None, :] < lengths[:, None]
-                    slots = torch.where(valid, slots, torch.zeros_like(slots))
-                    mask = torch.zeros(valid.shape, dtype=self.dtype).masked_fill_(~valid, float("-inf"))
-                    mask = mask[:, None, None, :].to(device)
-                batch.groups.append(DecodeGroup(row, row + len(group), slots.to(device), mask))
-                row += len(group)
-            meta.decode = batch
+        for family in families:
+            batch, new_slots = self._decode_batch(items, family, row)
+            meta.decode.append(batch)
+            slot_parts.append(new_slots)
+            row = batch.row_end
         for i in prefill:
             item = items[i]
             n, start = len(item.token_ids), item.start_pos
@@ -130,10 +110,54 @@ class ModelRunner:
 
         wanted = [last_row[i] for i, item in enumerate(items) if item.need_logits]
         logits_rows = torch.tensor(wanted, dtype=torch.long, device=device)
-        if not wanted:
-            self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
-            return torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=device)
-        return self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
+        logits = self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
+        return logits if wanted else torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=device)
+
+    def _decode_families(self, items: list[StepItem]) -> list[list[int]]:
+        """Decode items (one new token, some context) grouped by their first KV block: sequences
+        that share a cached prompt prefix share it. Singletons go together in one family; each
+        family is sorted by context length."""
+        decode = [i for i, it in enumerate(items) if len(it.token_ids) == 1 and it.start_pos > 0]
+        if not self.shared_prefix_attention:
+            families = [decode] if decode else []
+        else:
+            by_first: dict[int, list[int]] = {}
+            for i in decode:
+                by_first.setdefault(items[i].block_table[0], []).append(i)
+            families = [f for f in by_first.values() if len(f) > 1]
+            singles = [f[0] for f in by_first.values() if len(f) == 1]
+            if singles:
+                families.append(singles)
+        return [sorted(f, key=lambda i: items[i].start_pos) for f in families]
+
+    def _decode_batch(self, items: list[StepItem], family: list[int], row: int) -> tuple[DecodeBatch, torch.Tensor]:
+        """Attention metadata of one decode family at rows [row, row + len(family)), and the slots
+        its new tokens are written to."""
+        device = self.device
+        prefix_blocks = self._shared_prefix_blocks([items[i] for i in family])
+        prefix_len = prefix_blocks * self.block_size
+        batch = DecodeBatch(row, row + len(family), [])
+        if prefix_blocks:
+            table = torch.tensor(items[family[0]].block_table[:prefix_blocks], dtype=torch.long)
+            batch.prefix_slots = self._slots(table, torch.arange(prefix_len)).to(device)
+        new_slots = []
+        start = 0
+        for group in self._decode_groups(items, family):
+            tables = self._block_tables([items[i].block_table for i in group])
+            lengths = torch.tensor([items[i].start_pos + 1 for i in group], dtype=torch.long)
+            width = int(lengths.max()) - prefix_len
+            offsets = torch.arange(prefix_len, prefix_len + width)
+            slots = self._slots(tables, offsets.expand(len(group), width))
+            new_slots.append(slots[torch.arange(len(group)), lengths - 1 - prefix_len])
+            mask = None
+            if int(lengths.min()) - prefix_len != width:
+                valid = offsets[None, :] < lengths[:, None]
+                slots = torch.where(valid, slots, torch.zeros_like(slots))
+                mask = torch.zeros(valid.shape, dtype=self.dtype).masked_fill_(~valid, float("-inf"))
+                mask = mask[:, None, None, :].to(device)
+            batch.groups.append(DecodeGroup(start, start + len(group), slots.to(device), mask))
+            start += len(group)
+        return batch, torch.cat(new_slots)
 
     def _causal_mask(self, start: int, n: int) -> torch.Tensor:
         """Additive mask for n new tokens after `start` cached ones, one row per (token, query head
@@ -144,8 +168,8 @@ class ModelRunner:
         return mask.repeat_interleave(group, dim=0) if group > 1 else mask
 
     def _shared_prefix_blocks(self, decode_items: list[StepItem]) -> int:
-        """Leading blocks that every decode sequence shares (same block ids), all strictly before
-        each sequence's new token; 0 when cascade attention is off or would not pay."""
+        """Leading blocks that every one of these decode sequences shares (same block ids), all
+        strictly before each sequence's new token; 0 when cascade attention is off or for one sequence."""
         if not self.shared_prefix_attention or len(decode_items) < 2:
             return 0
         limit = min(it.start_pos for it in decode_items) // self.block_size

@@ -167,11 +167,17 @@ def shared_prefix_sequences(hf_tokenizer):
             for t in turns], len(system)
 
 
-@pytest.mark.parametrize("shared_prefix_attention", [True, False])
+@pytest.mark.parametrize("leaders, shared_prefix_attention", [
+    ((0,), True),        # one family: all four share the prefix blocks
+    ((0,), False),       # same, plain attention
+    ((0, 2), True),      # two families, each with its own copy of the prefix
+    ((0, 2, 3), True),   # one family plus two sequences with their own blocks
+])
 def test_shared_prefix_blocks_match_transformers(fp32_model, hf_reference_model, shared_prefix_sequences,
-                                                 shared_prefix_attention):
-    """Sequences reuse the first sequence's full prefix blocks (as the prefix cache does) and decode
-    together: the cascade path (prefix read once) and the plain path both match transformers."""
+                                                 leaders, shared_prefix_attention):
+    """Leaders prefill their whole prompt; every other sequence reuses the full prefix blocks of the
+    leader before it (as the prefix cache does) and prefills only the rest; then all decode together.
+    The cascade path (prefix read once per family) and the plain path both match transformers."""
     sequences, system_len = shared_prefix_sequences
     with torch.inference_mode():
         reference = [hf_reference_model(torch.tensor([s])).logits[0] for s in sequences]
@@ -179,21 +185,30 @@ def test_shared_prefix_blocks_match_transformers(fp32_model, hf_reference_model,
                          shared_prefix_attention=shared_prefix_attention)
     shared_blocks = system_len // BLOCK_SIZE
     assert shared_blocks >= 2
-    fresh = iter(range(shared_blocks, 64))
-    tables = [list(range(shared_blocks)) + [next(fresh) for _ in range(8)] for _ in sequences]
+    fresh = iter(range(64))
+    tables, owners = [], []
+    for i in range(len(sequences)):
+        owner = max(leader for leader in leaders if leader <= i)
+        prefix = [next(fresh) for _ in range(shared_blocks)] if owner == i else tables[owner][:shared_blocks]
+        tables.append(prefix + [next(fresh) for _ in range(8)])
+        owners.append(owner)
     prompt_lens = [len(s) - DECODE_STEPS for s in sequences]
-    runner.execute([StepItem(sequences[0][:prompt_lens[0]], 0, tables[0], False)])
     cached = shared_blocks * BLOCK_SIZE
-    rows = runner.execute([StepItem(s[cached:n], cached, t, True)
-                           for s, n, t in zip(sequences[1:], prompt_lens[1:], tables[1:])])
-    worst = max((row - ref[n - 1]).abs().max().item() for row, ref, n in zip(rows, reference[1:], prompt_lens[1:]))
+    runner.execute([StepItem(sequences[i][:prompt_lens[i]], 0, tables[i], False) for i in leaders])
+    followers = [i for i in range(len(sequences)) if i not in leaders]
+    rows = runner.execute([StepItem(sequences[i][cached:prompt_lens[i]], cached, tables[i], True) for i in followers])
+    worst = max((row - reference[i][prompt_lens[i] - 1]).abs().max().item() for row, i in zip(rows, followers))
     for step in range(DECODE_STEPS):
         items = [StepItem([s[n + step]], n + step, t, True) for s, n, t in zip(sequences, prompt_lens, tables)]
         for row, ref, n in zip(runner.execute(items), reference, prompt_lens):
             worst = max(worst, (row - ref[n + step]).abs().max().item())
     assert worst < TOLERANCE, f"max abs logit difference {worst:.2e}"
-    prefix = runner._shared_prefix_blocks([StepItem([1], n, t) for n, t in zip(prompt_lens, tables)])
-    assert prefix == (shared_blocks if shared_prefix_attention else 0)
+    items = [StepItem([1], n, t) for n, t in zip(prompt_lens, tables)]
+    families = runner._decode_families(items)
+    assert sorted(i for f in families for i in f) == list(range(len(sequences)))
+    with_prefix = [f for f in families if runner._shared_prefix_blocks([items[i] for i in f])]
+    expected = {owner for owner in owners if owners.count(owner) > 1} if shared_prefix_attention else set()
+    assert len(with_prefix) == len(expected)
 
 
 def test_attention_with_lse_math_matches_cpu_kernel():
