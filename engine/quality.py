@@ -139,6 +139,9 @@ def _set_int4_max_rows(model, rows: int) -> None:
             module.cpu_int4_max_rows = rows
 
 
+KERNEL_ROWS = {"dense": 0, "int4-kernel": 1 << 30}  # Int4Linear.cpu_int4_max_rows forcing each path
+
+
 def quantized_layer_bytes(model) -> tuple[int, int]:
     """(bytes of the INT4 layers as stored, bytes of the same weights in bfloat16)."""
     stored = dense = 0
@@ -150,9 +153,21 @@ def quantized_layer_bytes(model) -> tuple[int, int]:
 
 
 def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32,
-             cache_dir: str | None = None, awq: bool = False, log=print) -> dict:
+             cache_dir: str | None = None, awq: bool = False,
+             variants: tuple[str, ...] | None = None, kernels: tuple[str, ...] = ("dense", "int4-kernel"),
+             log=print) -> dict:
     from engine.tokenizer import load_tokenizer
 
+    configs = {"gguf-import": QuantConfig(),
+               "rtn-g128": QuantConfig(group_size=128, import_gguf_blocks=False)}
+    if awq:
+        configs["rtn-g128-awq"] = configs["rtn-g128"]
+    unknown = set(variants or ()) - set(configs)
+    if unknown:
+        raise ValueError(f"unknown variant(s) {sorted(unknown)}; choose from {sorted(configs)}")
+    unknown = set(kernels) - set(KERNEL_ROWS)
+    if unknown:
+        raise ValueError(f"unknown kernel(s) {sorted(unknown)}; choose from {sorted(KERNEL_ROWS)}")
     tokenizer = load_tokenizer(model, cache_dir=cache_dir)
     prompts = [tokenizer.apply_chat_template(m) for m in quality_prompts(num_prompts)]
     start = time.perf_counter()
@@ -160,12 +175,10 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
     fp_tokens, fp_logprobs = _Stepper(fp_model, prompts, new_tokens).run(new_tokens)
     log(f"fp: {len(prompts)} prompts x {new_tokens} tokens in {time.perf_counter() - start:.1f}s")
 
-    variants = {"gguf-import": QuantConfig(),
-                "rtn-g128": QuantConfig(group_size=128, import_gguf_blocks=False)}
-    if awq:
-        variants["rtn-g128-awq"] = variants["rtn-g128"]
     results, sizes = [], {}
-    for variant, config in variants.items():
+    for variant, config in configs.items():
+        if variants and variant not in variants:
+            continue
         int4_model = _load(model, config, cache_dir)
         if variant.endswith("-awq"):
             alphas = apply_awq(int4_model, fp_model, tokenizer)
@@ -175,7 +188,8 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
         groups = sorted({m.group_size for m in int4_model.modules() if isinstance(m, Int4Linear)})
         sizes[variant] = {"int4_bytes": stored, "bf16_bytes": dense, "ratio_vs_bf16": dense / stored,
                           "ratio_vs_fp32": 2 * dense / stored, "group_sizes": groups}
-        for kernel, rows in (("dense", 0), ("int4-kernel", 1 << 30)):
+        for kernel in kernels:
+            rows = KERNEL_ROWS[kernel]
             _set_int4_max_rows(int4_model, rows)
             t0 = time.perf_counter()
             stepper = _Stepper(int4_model, prompts, new_tokens)
@@ -201,11 +215,15 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--awq", action="store_true", help="also measure RTN g128 with AWQ scaling")
+    ap.add_argument("--variants", default=None, help="comma list (default: all)")
+    ap.add_argument("--kernels", default="dense,int4-kernel", help="comma list of dense,int4-kernel")
     ap.add_argument("--json", default=None, help="also write the report to this file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = evaluate(args.model, args.prompts, args.tokens, args.cache_dir, awq=args.awq)
+    report = evaluate(args.model, args.prompts, args.tokens, args.cache_dir, awq=args.awq,
+                      variants=tuple(args.variants.split(",")) if args.variants else None,
+                      kernels=tuple(args.kernels.split(",")))
     for variant, size in report["checkpoint_sizes"].items():
         print(f"{variant:12s} quantized layers: {size['int4_bytes'] / 2**20:.1f} MiB INT4 vs "
               f"{size['bf16_bytes'] / 2**20:.1f} MiB bf16 ({size['ratio_vs_bf16']:.2f}x smaller; "
