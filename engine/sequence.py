@@ -77,11 +77,6 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     @property
-    def is_prefilling(self) -> bool:
-        """True while prompt tokens (or recomputed outputs) are still to be computed."""
-        return self.num_uncomputed_tokens > 1 or self.num_computed_tokens < self.num_prompt_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
