@@ -131,13 +131,13 @@ def convert_gguf(path: str, entry: Path) -> None:
             tensors[t.name + _GGUF_SUFFIX] = torch.from_numpy(np.array(t.raw, dtype=np.uint8))
             gguf_types[t.name] = int(t.qtype)
     entry.mkdir(parents=True, exist_ok=True)
-    _atomic_write(entry / WEIGHTS_FILE, lambda tmp: save_file(
+    atomic_write(entry / WEIGHTS_FILE, lambda tmp: save_file(
         tensors, tmp, metadata={"format": CACHE_FORMAT, "gguf_types": json.dumps(gguf_types)}))
     save_gguf_tokenizer(gguf.metadata, entry)
-    _atomic_write(entry / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config.to_dict(), indent=1)))
+    atomic_write(entry / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config.to_dict(), indent=1)))
 
 
-def _atomic_write(target: Path, write) -> None:
+def atomic_write(target: Path, write) -> None:
     """Write through a temp file in the same folder and rename, so readers never see half a file."""
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".")
     os.close(fd)

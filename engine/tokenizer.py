@@ -105,13 +105,13 @@ class Tokenizer:
 
     def save(self, folder: Path) -> None:
         """tokenizer.json + tokenizer_meta.json (meta written last: its presence marks a complete save)."""
-        from engine.loader import _atomic_write
+        from engine.loader import atomic_write
 
         folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write(folder / TOKENIZER_FILE, lambda tmp: self.backend.save(tmp))
+        atomic_write(folder / TOKENIZER_FILE, lambda tmp: self.backend.save(tmp))
         meta = {"chat_template": self.chat_template, "special_tokens": self.special_tokens,
                 "eos_token_ids": self.eos_token_ids}
-        _atomic_write(folder / META_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta)))
+        atomic_write(folder / META_FILE, lambda tmp: Path(tmp).write_text(json.dumps(meta)))
 
     @classmethod
     def load(cls, folder: Path) -> "Tokenizer":
