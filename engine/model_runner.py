@@ -1,15 +1,14 @@
 """ModelRunner: owns the paged KV pool and runs one flat varlen batch through the model per step.
 
 `execute(items)` takes every scheduled sequence's new tokens for this step, concatenates them
-into one batch (decode items first, sorted by context length, then prefill chunks), writes their
+into one batch (decode items first, grouped by shared prefix and sorted by context length, then
+prefill chunks), writes their
 K/V into the pool by slot mapping, attends per sequence over its valid positions only, and
 returns float32 logits for the last new token of each item that asks for them, in item order.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
 from engine.attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
@@ -34,8 +33,8 @@ class ModelRunner:
     """decode_bucket: decode sequences whose context lengths round up to the same multiple of
     this many tokens share one masked attention call (1 = only exactly equal lengths share;
     larger buckets trade a little masked-out work for fewer per-op calls).
-    shared_prefix_attention: when all decode sequences of a step share leading KV blocks (prefix
-    cache hits on a common system prompt), attend to those once for all (cascade attention)."""
+    shared_prefix_attention: decode sequences that share leading KV blocks (prefix-cache hits on a
+    common system prompt) attend to those blocks once for all of them (cascade attention)."""
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, decode_bucket: int = 64,
                  shared_prefix_attention: bool = True):
