@@ -143,6 +143,7 @@ def atomic_write(target: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared by worker processes
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -175,6 +176,8 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
     checkpoint = load_checkpoint(model, cache_dir)
     if quant_config is None:
         return build_model(checkpoint, dtype=dtype or torch.float32, device=device, quant_config=None)
-    from engine.quant.cache import quantized_checkpoint_cache  # INT4 layers cached on disk (issue 3)
-    with quantized_checkpoint_cache(cache_root(cache_dir), source_fingerprint(resolve_model(model)), quant_config):
+    from engine.quant.awq import checkpoint_calibrator  # INT4 layers cached on disk (issue 3)
+    from engine.quant.cache import quantized_checkpoint_cache
+    with quantized_checkpoint_cache(cache_root(cache_dir), source_fingerprint(resolve_model(model)), quant_config,
+                                    calibrate=checkpoint_calibrator(checkpoint, model, cache_dir)):
         return build_model(checkpoint, dtype=dtype or torch.float32, device=device, quant_config=quant_config)

@@ -95,28 +95,13 @@ class _Stepper:
         return tokens, torch.stack(logprobs)
 
 
-CALIBRATION_TEXTS = (
-    "The history of science is full of surprising discoveries, accidents and long arguments.",
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
-    "Dear customer, thank you for your order. Your package will arrive next week by courier.",
-    "In 1492 Columbus sailed across the Atlantic Ocean and reached the islands of the Caribbean.",
-    "To bake bread, mix flour, water, salt and yeast, knead the dough and let it rise for hours.",
-    "The stock market fell sharply on Monday as investors worried about rising interest rates.",
-)
-
-
 def apply_awq(int4_model, fp_model, tokenizer, group_size: int = 128) -> list[float]:
     """Re-quantize every Int4Linear of ``int4_model`` with AWQ scaling from ``fp_model``'s weights
-    and activations on CALIBRATION_TEXTS; returns the chosen alphas."""
-    from engine.quant.awq import collect_activation_stats, quantize_awq
+    and activations on the calibration texts (engine/quant/awq.py); returns the chosen alphas."""
+    from engine.quant.awq import calibration_stats, quantize_awq
     from engine.quant.format import fitting_group_size
 
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in CALIBRATION_TEXTS]
-
-    def run_calibration():
-        _Stepper(fp_model, texts, 1).run(1)
-
-    stats = collect_activation_stats(fp_model, run_calibration)
+    stats = calibration_stats(fp_model, tokenizer)
     alphas = []
     for path, module in int4_model.named_modules():
         if isinstance(module, Int4Linear):

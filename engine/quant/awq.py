@@ -73,3 +73,38 @@ def quantize_awq(weight: torch.Tensor, stats: ActivationStats, group_size: int) 
             best = (err, alpha, s)
     _, alpha, s = best
     return quantize_rtn(w * s, group_size), (1.0 / s).to(torch.float32), alpha
+
+
+CALIBRATION_TEXTS = (
+    "The history of science is full of surprising discoveries, accidents and long arguments.",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Dear customer, thank you for your order. Your package will arrive next week by courier.",
+    "In 1492 Columbus sailed across the Atlantic Ocean and reached the islands of the Caribbean.",
+    "To bake bread, mix flour, water, salt and yeast, knead the dough and let it rise for hours.",
+    "The stock market fell sharply on Monday as investors worried about rising interest rates.",
+)
+
+
+def calibration_stats(fp_model, tokenizer) -> dict[str, ActivationStats]:
+    """Activation statistics of ``fp_model`` (dense layers) over CALIBRATION_TEXTS as chat turns."""
+    import math
+
+    from engine.model_runner import ModelRunner, StepItem
+
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in CALIBRATION_TEXTS]
+    block_size = 16
+    blocks = [math.ceil(len(t) / block_size) for t in texts]
+    runner = ModelRunner(fp_model, num_kv_blocks=sum(blocks), block_size=block_size)
+    starts = [sum(blocks[:i]) for i in range(len(texts))]
+    items = [StepItem(t, 0, list(range(s, s + n))) for t, s, n in zip(texts, starts, blocks)]
+    return collect_activation_stats(fp_model, lambda: runner.execute(items))
+
+
+def checkpoint_calibrator(checkpoint, model: str, cache_dir=None):
+    """The loader's ``calibrate`` callback: builds the float32 model and measures it."""
+    def calibrate() -> dict[str, ActivationStats]:
+        from engine.models import build_model
+        from engine.tokenizer import load_tokenizer
+        fp_model = build_model(checkpoint, dtype=torch.float32, device="cpu", quant_config=None)
+        return calibration_stats(fp_model, load_tokenizer(model, cache_dir=cache_dir))
+    return calibrate

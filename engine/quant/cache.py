@@ -2,7 +2,8 @@
 
 One safetensors file per (model source fingerprint, QuantConfig.cache_tag()), under
 ``<model cache root>/int4/``. For each INT4 layer it holds ``<layer>.qweight``, ``.scales``,
-``.mins`` (our format, engine/quant/format.py) and the group size in the metadata.
+``.mins`` (our format, engine/quant/format.py), ``.input_scale`` for AWQ layers, and the group
+size in the metadata.
 
 The loader opens it around model construction::
 
@@ -10,6 +11,8 @@ The loader opens it around model construction::
         model = build_model(...)           # build_int4_linear() reads/fills the active cache
 
 Layers missing from the file are quantized and the file is rewritten (atomically) on exit.
+``calibrate`` (for ``method="awq"``) returns per-layer activation statistics; it runs only
+when a layer actually has to be quantized, never on a cache hit.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -34,9 +37,12 @@ _PARTS = ("qweight", "scales", "mins")
 
 
 class QuantizedCheckpointCache:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, calibrate: Optional[Callable[[], dict]] = None):
         self.path = path
+        self._calibrate = calibrate
+        self._stats: Optional[dict] = None
         self._weights: dict[str, Int4Weight] = {}
+        self._input_scales: dict[str, torch.Tensor] = {}
         self.hits = 0
         self.misses = 0
         if path.exists():
@@ -51,21 +57,38 @@ class QuantizedCheckpointCache:
             for layer, group in group_sizes.items():
                 parts = [handle.get_tensor(f"{layer}.{p}") for p in _PARTS]
                 self._weights[layer] = Int4Weight(*parts, group_size=int(group))
+            for name in handle.keys():
+                if name.endswith(".input_scale"):
+                    self._input_scales[name[: -len(".input_scale")]] = handle.get_tensor(name)
 
-    def get(self, layer: str) -> Optional[Int4Weight]:
+    def get(self, layer: str) -> Optional[tuple[Int4Weight, Optional[torch.Tensor]]]:
+        """(weight, AWQ input scale or None), or None when the layer is not cached."""
         weight = self._weights.get(layer)
-        if weight is not None:
-            self.hits += 1
-        return weight
+        if weight is None:
+            return None
+        self.hits += 1
+        return weight, self._input_scales.get(layer)
 
-    def put(self, layer: str, weight: Int4Weight) -> None:
+    def put(self, layer: str, weight: Int4Weight, input_scale: Optional[torch.Tensor] = None) -> None:
         self.misses += 1
         self._weights[layer] = Int4Weight(*(t.detach().cpu().contiguous() for t in
                                             (weight.qweight, weight.scales, weight.mins)),
                                           group_size=weight.group_size)
+        if input_scale is not None:
+            self._input_scales[layer] = input_scale.detach().cpu().contiguous()
+
+    def activation_stats(self) -> dict:
+        """Calibration statistics for AWQ, computed on first use."""
+        if self._stats is None:
+            if self._calibrate is None:
+                raise ValueError("method='awq' needs calibration activations: load the model through "
+                                 "engine.loader.load_model")
+            self._stats = self._calibrate()
+        return self._stats
 
     def save(self) -> None:
         tensors = {f"{layer}.{p}": getattr(w, p) for layer, w in self._weights.items() for p in _PARTS}
+        tensors.update({f"{layer}.input_scale": s for layer, s in self._input_scales.items()})
         meta = {"format": FORMAT,
                 "group_sizes": json.dumps({layer: w.group_size for layer, w in self._weights.items()})}
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,9 +116,9 @@ def active_cache() -> Optional[QuantizedCheckpointCache]:
 
 
 @contextlib.contextmanager
-def quantized_checkpoint_cache(root, source_fingerprint: str,
-                               config: QuantConfig) -> Iterator[QuantizedCheckpointCache]:
-    cache = QuantizedCheckpointCache(cache_file(Path(root), source_fingerprint, config))
+def quantized_checkpoint_cache(root, source_fingerprint: str, config: QuantConfig,
+                               calibrate: Optional[Callable[[], dict]] = None) -> Iterator[QuantizedCheckpointCache]:
+    cache = QuantizedCheckpointCache(cache_file(Path(root), source_fingerprint, config), calibrate)
     token = _active.set(cache)
     try:
         yield cache

@@ -24,6 +24,8 @@ class QuantConfig:
         and the lm_head's logits drive sampling directly (SmolLM2 also ties it to the embedding).
     cpu_int4_max_rows: on CPU, steps with at most this many rows use torch's int4 kernel,
         larger ones a dense matmul of the dequantized weight.
+    method: "rtn" (round-to-nearest with clip search) or "awq" (the same after activation-aware
+        per-channel scaling calibrated on a few texts, engine/quant/awq.py; needs the loader).
     import_gguf_blocks: take GGUF Q4_0/Q4_1 tensors as they are (exact, group 32); False
         quantizes their dequantized values with ``method``/``group_size`` instead.
     cache_dense_weight: keep the dequantized weight (in the activation dtype) for those large
@@ -40,8 +42,8 @@ class QuantConfig:
     def __post_init__(self) -> None:
         if self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}")
-        if self.method not in ("rtn",):
-            raise ValueError(f"unknown quantization method {self.method!r} (supported: 'rtn')")
+        if self.method not in ("rtn", "awq"):
+            raise ValueError(f"unknown quantization method {self.method!r} (supported: 'rtn', 'awq')")
         if self.cpu_int4_max_rows < 0:
             raise ValueError("cpu_int4_max_rows must be >= 0")
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from gguf import GGMLQuantizationType
 
+from engine.quant.awq import quantize_awq
 from engine.quant.cache import active_cache
 from engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS, QuantConfig
 from engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
@@ -125,29 +126,46 @@ class Int4Linear(nn.Module):
         return w
 
 
-def int4_weight_for(source, config: QuantConfig) -> Int4Weight:
-    """The INT4 weight of a (possibly fused) projection: GGUF Q4_0/Q4_1 blocks imported as they
-    are, anything else quantized from its float32 values with round-to-nearest."""
+def int4_weight_for(source, config: QuantConfig, activation_stats=None):
+    """(INT4 weight, AWQ input scale or None) of a (possibly fused) projection: GGUF Q4_0/Q4_1
+    blocks imported as they are, anything else quantized from its float32 values (RTN or AWQ)."""
     blocks = source.gguf_blocks() if config.import_gguf_blocks else None
     if blocks is not None and all(GGMLQuantizationType(b.qtype) in DIRECT_IMPORT_TYPES for b in blocks):
         parts = [int4_from_gguf_blocks(b.raw, GGMLQuantizationType(b.qtype), b.out_features,
                                        b.in_features, name=part)
                  for b, part in zip(blocks, source.parts)]
-        return Int4Weight.cat_rows(parts)
+        return Int4Weight.cat_rows(parts), None
     dense = torch.cat([source.tensor(f"{part}.weight").to(torch.float32) for part in source.parts])
-    return quantize_rtn(dense, fitting_group_size(dense.shape[1], config.group_size))
+    group = fitting_group_size(dense.shape[1], config.group_size)
+    if config.method == "awq":
+        if activation_stats is None or source.name not in activation_stats:
+            raise ValueError(f"{source.name}: method='awq' but no calibration activations for this layer")
+        weight, input_scale, _ = quantize_awq(dense, activation_stats[source.name], group)
+        return weight, input_scale
+    return quantize_rtn(dense, group), None
 
 
 def build_int4_linear(source, config: QuantConfig) -> Int4Linear:
     """The seam engine/layers/linear.py calls for every layer `config.quantizes()`."""
     cache = active_cache()
-    weight = cache.get(source.name) if cache is not None else None
-    if weight is None:
-        weight = int4_weight_for(source, config)
+    cached = cache.get(source.name) if cache is not None else None
+    if cached is not None:
+        weight, input_scale = cached
+    else:
+        stats = None
+        if config.method == "awq":
+            if cache is None:
+                raise ValueError("method='awq' needs calibration activations: load the model through "
+                                 "engine.loader.load_model")
+            stats = cache.activation_stats()
+        weight, input_scale = int4_weight_for(source, config, stats)
         if cache is not None:
-            cache.put(source.name, weight)
+            cache.put(source.name, weight, input_scale)
     device = torch.device(source.device)
     bias = source.bias()
-    return Int4Linear(weight.to(device), None if bias is None else bias.to(device),
-                      cpu_int4_max_rows=config.cpu_int4_max_rows,
-                      cache_dense_weight=config.cache_dense_weight)
+    layer = Int4Linear(weight.to(device), None if bias is None else bias.to(device),
+                       cpu_int4_max_rows=config.cpu_int4_max_rows,
+                       cache_dense_weight=config.cache_dense_weight)
+    if input_scale is not None:
+        layer.input_scale = input_scale.to(device)
+    return layer

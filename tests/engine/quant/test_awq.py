@@ -57,3 +57,37 @@ def test_collect_activation_stats_hooks_dense_layers():
     assert torch.allclose(stats["model.proj"].mean_abs, x.abs().mean(0))
     assert stats["model.proj"].sample.shape == (5, 8)
     model(x)  # hooks are removed afterwards
+
+
+def test_build_int4_linear_awq_calibrates_once_and_caches(tmp_path):
+    from engine.layers.linear import WeightSource
+    from engine.quant.cache import quantized_checkpoint_cache
+    from engine.quant.config import QuantConfig
+    from engine.quant.linear import build_int4_linear
+
+    x = _uneven_activations(rows=64, k=128)
+    w = torch.randn(32, 128) * 0.05
+    name = "model.layers.0.mlp.down_proj"
+    source = WeightSource(name=name, parts=["w"], tensor=lambda n: w if n == "w.weight" else None,
+                          gguf=lambda n: None, dtype=torch.float32, device=torch.device("cpu"))
+    config = QuantConfig(method="awq", group_size=64)
+    calls = []
+
+    def calibrate():
+        calls.append(1)
+        return {name: ActivationStats(x.abs().mean(0), x)}
+
+    with quantized_checkpoint_cache(tmp_path, "a" * 64, config, calibrate=calibrate):
+        first = build_int4_linear(source, config)
+    assert calls == [1] and first.input_scale is not None
+    with quantized_checkpoint_cache(tmp_path, "a" * 64, config, calibrate=calibrate):
+        second = build_int4_linear(source, config)
+    assert calls == [1]  # a cache hit needs no calibration
+    assert torch.equal(first.input_scale, second.input_scale)
+    assert torch.equal(first(x), second(x))
+    rtn = build_int4_linear(source, QuantConfig(group_size=64))
+    reference = x @ w.t()
+    assert (first(x) - reference).pow(2).mean() < (rtn(x) - reference).pow(2).mean()
+    import pytest
+    with pytest.raises(ValueError, match="needs calibration activations"):
+        build_int4_linear(source, config)  # no loader, no calibration
