@@ -40,8 +40,17 @@ def start_workers(home: Path) -> list[subprocess.Popen]:
     """One worker per queue kind, logging to <home>/logs/<kind>.log (workers.procs)."""
     logs = home / "logs"
     logs.mkdir(exist_ok=True)
-    return [procs.start_worker(dict(os.environ), name=kind, log_path=logs / f"{kind}.log", **opts)
-            for kind, opts in WORKERS.items()]
+    return [procs.start_worker(dict(os.environ), name=kind, log_path=logs / f"{kind}.log", die_with_parent=True,
+                               **opts) for kind, opts in WORKERS.items()]
+
+
+def stop_workers(children: list[subprocess.Popen]) -> None:
+    """Warm shutdown of all workers at once (then procs.stop waits, and kills what lingers)."""
+    for child in children:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGTERM)
+    for child in children:
+        procs.stop(child)
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
@@ -68,6 +77,5 @@ def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") ->
     try:
         uvicorn.run(create_app(), host=host, port=port, log_level=log_level)
     finally:
-        for child in children:
-            procs.stop(child)
+        stop_workers(children)
     return 0

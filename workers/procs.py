@@ -22,14 +22,23 @@ def service_env(**nightshift: object) -> dict[str, str]:
     return env
 
 
+def _die_with_parent() -> None:
+    # Linux prctl(PR_SET_PDEATHSIG, SIGTERM): the worker is told to stop when its starter dies,
+    # even by SIGKILL, so a launcher never leaves orphaned workers behind.
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
 def start_worker(env: dict[str, str], queues: str, name: str, log_path: Path, beat: bool = False,
-                 concurrency: int = 1) -> subprocess.Popen:
+                 concurrency: int = 1, die_with_parent: bool = False) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker", "-Q", queues, "-c", str(concurrency),
            "-n", f"{name}@%h", "--loglevel", "INFO", "--without-gossip", "--without-mingle"]
     if beat:
         cmd += ["-B", "-s", str(log_path.parent / f"{name}-beat-schedule")]
     log = open(log_path, "ab")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=_die_with_parent if die_with_parent else None)
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,5 +72,31 @@ def test_serve_submit_wait_results(tmp_path):
         assert new_key.returncode == 0
         other = nightshift(env, "status", batch_id, "--api-key", new_key.stdout.decode().strip())
         assert other.returncode != 0 and b"404" in other.stderr   # another project's batch
+
+        server.terminate()                      # SIGTERM to `serve` alone: it must stop its workers
+        server.wait(60)
+        assert wait_until(lambda: not processes_with_home(home), 30), processes_with_home(home)
     finally:
         service.stop()
+
+
+def processes_with_home(home: Path) -> list[int]:
+    """Live processes started with this NIGHTSHIFT_HOME (the server and its workers)."""
+    marker = f"NIGHTSHIFT_HOME={home}".encode()
+    pids = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker in environ.read_bytes().split(b"\0"):
+                pids.append(int(environ.parent.name))
+        except OSError:
+            pass
+    return pids
+
+
+def wait_until(predicate, timeout: float) -> bool:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.5)
+    return False
