@@ -4,7 +4,8 @@ KV pool per layer: k_cache, v_cache `[num_blocks, block_size, kv_heads, head_dim
 position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`
 of the flattened pool. Attention only ever reads a sequence's valid positions (gathered by slot
 index) and never repeats K/V per query head: the query heads that share a KV head are folded
-into the query dimension instead. The CUDA/Triton path plugs in by replacing these functions.
+into the query dimension instead. The Triton kernels of engine/kernels/ take over on CUDA: store_kv by
+device, attention when the runner sets `meta.paged` (ModelRunner attention_backend="triton").
 
 Decode batches whose sequences share leading KV blocks (a common system prompt, via the prefix
 cache) use cascade attention: the shared prefix is read once for all queries, each sequence's own
@@ -14,10 +15,13 @@ suffix separately, and the two partial results are merged by their log-sum-exps.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.kernels.paged import PagedKernelMetadata
 
 
 @dataclass
@@ -56,11 +60,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor              # [T] where each new token's K/V is written
     decode: list[DecodeBatch] = field(default_factory=list)     # rows first in the batch, in order
     prefills: list[PrefillSpan] = field(default_factory=list)   # then these, in row order
+    # set when this step runs on the Triton kernels (engine/kernels/paged.py); decode/prefills unused then
+    paged: Optional["PagedKernelMetadata"] = None
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write new K/V `[T, kv_heads, head_dim]` into the pool at `slot_mapping` `[T]`."""
+    if k_cache.is_cuda:  # the Triton kernel (engine/kernels/store_kv.py)
+        from engine.kernels.store_kv import store_kv as triton_store_kv
+        return triton_store_kv(k_cache, v_cache, k, v, slot_mapping)
     kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -167,6 +176,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention for a whole flat batch `q [T, H, D]` (new k/v `[T, kv_heads, D]` already stored)."""
+    if meta.paged is not None:  # the Triton kernels over block tables (engine/kernels/paged.py)
+        from engine.kernels.paged import paged_kernel_attention
+        return paged_kernel_attention(q, k_cache, v_cache, meta.paged, scale)
     outputs = [decode_attention(q[b.row_start:b.row_end], k_cache, v_cache, b, scale) for b in meta.decode]
     outputs += [prefill_attention(q[s.row_start:s.row_end], k[s.row_start:s.row_end], v[s.row_start:s.row_end],
                                   k_cache, v_cache, s, scale) for s in meta.prefills]

@@ -37,13 +37,18 @@ class ModelRunner:
     common system prompt) attend to those blocks once for all of them (cascade attention)."""
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, decode_bucket: int = 64,
-                 shared_prefix_attention: bool = True):
+                 shared_prefix_attention: bool = True, attention_backend: str = "auto"):
         if num_kv_blocks < 1 or block_size < 1:
             raise ValueError(f"num_kv_blocks ({num_kv_blocks}) and block_size ({block_size}) must be >= 1")
+        if attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be 'auto', 'torch' or 'triton', got {attention_backend!r}")
         self.model = model
         self.config: ModelConfig = model.config
         self.dtype: torch.dtype = model.dtype
         self.device: torch.device = model.embed_tokens.device
+        # "triton": the kernels of engine/kernels/ read block tables directly (auto: on CUDA)
+        self.attention_backend = attention_backend if attention_backend != "auto" else \
+            ("triton" if self.device.type == "cuda" else "torch")
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.decode_bucket = max(1, decode_bucket)
@@ -85,6 +90,22 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
 
+        if self.attention_backend == "triton":
+            from engine.kernels.paged import build_paged_metadata
+            slot_mapping, paged = build_paged_metadata([items[i] for i in decode + prefill], len(decode),
+                                                       self.block_size, device)
+            meta = AttentionMetadata(slot_mapping=slot_mapping, paged=paged)
+        else:
+            meta = self._torch_metadata(items, families, prefill)
+
+        wanted = [last_row[i] for i, item in enumerate(items) if item.need_logits]
+        logits_rows = torch.tensor(wanted, dtype=torch.long, device=device)
+        logits = self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
+        return logits if wanted else torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=device)
+
+    def _torch_metadata(self, items: list[StepItem], families: list[list[int]], prefill: list[int]) -> AttentionMetadata:
+        """Metadata of the torch attention path (engine/attention.py): slots and masks per group."""
+        device = self.device
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
         slot_parts = []
         row = 0
@@ -106,11 +127,7 @@ class ModelRunner:
             meta.prefills.append(span)
             row += n
         meta.slot_mapping = torch.cat(slot_parts).to(device)
-
-        wanted = [last_row[i] for i, item in enumerate(items) if item.need_logits]
-        logits_rows = torch.tensor(wanted, dtype=torch.long, device=device)
-        logits = self.model(input_ids, pos, self.kv_caches, meta, logits_rows)
-        return logits if wanted else torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=device)
+        return meta
 
     def _decode_families(self, items: list[StepItem]) -> list[list[int]]:
         """Decode items (one new token, some context) grouped by their first KV block: sequences

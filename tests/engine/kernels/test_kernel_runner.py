@@ -1,0 +1,61 @@
+"""ModelRunner with the Triton attention path against its torch path, step by step on the same
+model: fresh prompts, a prefix shared by several sequences, chunked prefill after cached tokens,
+and mixed decode + prefill steps. (CPU: kernels in the interpreter, KV store in torch; CUDA: all
+Triton.)"""
+import pytest
+import torch
+
+from kernel_cases import use_interpreter_without_cuda
+
+DEVICE = use_interpreter_without_cuda()
+
+from engine.dummy_weights import build_dummy_model  # noqa: E402
+from engine.model_runner import ModelRunner, StepItem  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def runners():
+    model = build_dummy_model("llama-tiny", dtype=torch.float32, device=DEVICE, seed=3)
+    return (ModelRunner(model, num_kv_blocks=24, block_size=4, attention_backend="torch"),
+            ModelRunner(model, num_kv_blocks=24, block_size=4, attention_backend="triton"))
+
+
+def test_backend_choice_is_validated():
+    model = build_dummy_model("llama-tiny", device="meta", max_position_embeddings=64)
+    with pytest.raises(ValueError, match="attention_backend must be 'auto', 'torch' or 'triton', got 'cuda'"):
+        ModelRunner(model, num_kv_blocks=2, attention_backend="cuda")
+    assert ModelRunner(model, num_kv_blocks=2).attention_backend == "torch"    # auto on a non-CUDA device
+
+
+def test_kernel_path_gives_the_torch_path_logits(runners, monkeypatch):
+    import engine.kernels.paged as paged
+    torch_runner, kernel_runner = runners
+    calls = []
+    kernel_attention = paged.paged_kernel_attention
+    monkeypatch.setattr(paged, "paged_kernel_attention", lambda *a: calls.append(a[3]) or kernel_attention(*a))
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(0, 49152, (n,), generator=g).tolist()
+
+    shared = tokens(8)                                   # two full blocks shared by sequences a and b
+    a, b, c = tokens(3), tokens(5), tokens(9)
+    steps = [
+        # fresh prompts; c is prefilled in two chunks
+        [StepItem(shared + a, 0, [0, 1, 2]), StepItem(c[:5], 0, [6, 7, 8])],
+        # b reuses the shared blocks (prefix-cache hit), c's second chunk after 5 cached tokens, a decodes
+        [StepItem(tokens(1), 11, [0, 1, 2]), StepItem(b, 8, [0, 1, 3, 4]), StepItem(c[5:], 5, [6, 7, 8]),],
+        # decode everything, c's context crossing into a new block
+        [StepItem(tokens(1), 12, [0, 1, 2, 5]), StepItem(tokens(1), 13, [0, 1, 3, 4]),
+         StepItem(tokens(1), 9, [6, 7, 8]), ],
+        [StepItem(tokens(1), 13, [0, 1, 2, 5]), StepItem(tokens(1), 14, [0, 1, 3, 4]),
+         StepItem(tokens(1), 10, [6, 7, 8]), StepItem(tokens(2), 0, [9], need_logits=False)],
+    ]
+    for number, items in enumerate(steps):
+        expected = torch_runner.execute(items)
+        got = kernel_runner.execute(items)
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max().item() < 1e-4, f"step {number}"
+    layers = kernel_runner.config.num_layers
+    assert len(calls) == layers * len(steps)              # every layer of every step on the kernels
+    assert [m.num_decode for m in calls[::layers]] == [0, 1, 3, 3]
