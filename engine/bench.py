@@ -9,6 +9,9 @@ at each batch size of --hf-batch-sizes; the best output tok/s is the one compare
 
 Prints output tok/s, total tok/s, TTFT and TPOT p50/p95/p99, prefix-hit rate, and the
 ratio to HF. --quick is a small version that finishes in about a minute.
+On CUDA (--device, default auto) it also prints decode MBU and prefill MFU of the engine's runner
+(engine/roofline_bench.py; on CPU only with --peak-bandwidth/--peak-flops). --dummy-weights NAME
+runs random weights of a Llama shape (llama-1b, llama-8b) in both our engine and the HF baseline.
 """
 from __future__ import annotations
 
@@ -109,10 +112,14 @@ def run_engine(engine, prompts: list[list[int]], output_len: int) -> EngineResul
 
 def hf_model_from_cache(model: str, dtype: torch.dtype):
     """transformers' LlamaForCausalLM on the same float32 weights our loader cached."""
+    from engine.loader import load_checkpoint
+    return hf_model_from_checkpoint(load_checkpoint(model), dtype)
+
+
+def hf_model_from_checkpoint(checkpoint, dtype: torch.dtype, device: str = "cpu"):
+    """transformers' LlamaForCausalLM on a checkpoint's weights (ours, or engine.dummy_weights')."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.loader import load_checkpoint
-    checkpoint = load_checkpoint(model)
     c = checkpoint.config
     if c.architecture != "llama":
         raise SystemExit(f"the HF baseline here supports llama checkpoints, not {c.architecture!r}")
@@ -135,23 +142,49 @@ def hf_model_from_cache(model: str, dtype: torch.dtype):
     if missing:
         raise SystemExit(f"HF baseline: weights missing from the checkpoint: {missing[:5]}")
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)  # buffers were created on meta
-    return hf.to(dtype).eval()
+    return hf.to(device=device, dtype=dtype).eval()
 
 
 @torch.inference_mode()
 def run_hf(hf, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> tuple[float, int, int]:
     """Left-padded static batches over `prompts`; returns (seconds, output tokens, prompt tokens)."""
+    device = next(hf.parameters()).device
     start = time.time()
     produced = 0
     for first in range(0, len(prompts), batch_size):
         batch = prompts[first:first + batch_size]
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
                           min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
         produced += (out.shape[1] - width) * len(batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.time() - start, produced, sum(len(p) for p in prompts)
+
+
+def print_roofline(engine, args, prompt_len: int, output_len: int) -> None:
+    """Decode MBU and prefill MFU of the engine's own runner (engine/roofline_bench.py): decode at
+    the workload's batch (as many sequences as the KV pool holds) and mid-generation context,
+    prefill of one --roofline-prefill-len prompt. Runs after the workload: it overwrites KV blocks."""
+    from engine.roofline import device_peak
+    from engine.roofline_bench import measure_decode, measure_prefill
+    runner = engine.runner
+    if runner.device.type == "cuda":
+        name = torch.cuda.get_device_name(runner.device)
+    elif args.peak_bandwidth is None or args.peak_flops is None:
+        return
+    else:
+        name = "CPU"
+    peak = device_peak(name, args.peak_bandwidth, args.peak_flops)
+    context = prompt_len + output_len // 2
+    per_seq = -(-context // runner.block_size)
+    batch = max(1, min(args.num_requests_run, engine.config.max_num_seqs, runner.num_kv_blocks // per_seq))
+    prefill = min(args.roofline_prefill_len, runner.max_model_len, runner.num_kv_blocks * runner.block_size)
+    print(f"\n== roofline on {name} (peak {peak.bandwidth / 1e12:.2f} TB/s, {peak.bf16_flops / 1e12:.0f} TFLOP/s) ==")
+    print(measure_decode(runner, batch, context, 10, peak).line("GB/s", "MBU"))
+    print(measure_prefill(runner, 1, prefill, 3, peak).line("GFLOP/s", "MFU"))
 
 
 def machine() -> str:
@@ -166,10 +199,20 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
 
 
+DUMMY_MAX_POSITIONS = 8192   # context of --dummy-weights models (the workload needs < 400 tokens)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
+    parser.add_argument("--dummy-weights", metavar="NAME", help="random weights of a Llama shape (llama-1b, "
+                        "llama-8b, llama-tiny; engine/dummy_weights.py) instead of --model, default tokenizer")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda (engine and HF baseline)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size (default: the engine's)")
+    parser.add_argument("--roofline-prefill-len", type=int, default=2048, help="prompt length of the MFU step")
+    parser.add_argument("--peak-bandwidth", type=float, help="bytes/s for MBU (default: by CUDA device name)")
+    parser.add_argument("--peak-flops", type=float, help="dense bf16 FLOP/s for MFU (default: by CUDA device name)")
     parser.add_argument("--quick", action="store_true", help="small workload, about a minute in all")
     parser.add_argument("--num-requests", type=int, help="requests (default 256; --quick 32)")
     parser.add_argument("--output-len", type=int, help="output tokens per request (default 128; --quick 32)")
@@ -192,16 +235,24 @@ def main(argv=None) -> None:
     hf_sizes = [int(x) for x in (args.hf_batch_sizes or ("1,8,32" if args.quick else "1,8,32,64")).split(",")]
     torch.set_num_threads(args.threads)
 
-    from engine.engine import Engine
+    from engine.engine import Engine, resolve_device
     from engine.tokenizer import load_tokenizer
 
+    device = resolve_device(args.device)
     config = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
                                 ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    if args.kv_cache_gib is not None:
+        config["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
     t0 = time.time()
-    engine = Engine.from_pretrained(args.model, quantization=args.quantization, device="cpu", dtype=args.dtype,
-                                    **config)
+    if args.dummy_weights:
+        from engine.dummy_weights import dummy_engine
+        engine = dummy_engine(args.dummy_weights, quantization=args.quantization, device=device, dtype=args.dtype,
+                              seed=args.seed, max_position_embeddings=DUMMY_MAX_POSITIONS, **config)
+    else:
+        engine = Engine.from_pretrained(args.model, quantization=args.quantization, device=device, dtype=args.dtype,
+                                        **config)
     load_seconds = time.time() - t0
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = load_tokenizer("default" if args.dummy_weights else args.model)
     prompts = build_workload(tokenizer, num_requests, args.seed)
     lengths = [len(p) for p in prompts]
     print(f"machine: {machine()}")
@@ -223,12 +274,21 @@ def main(argv=None) -> None:
     print(f"TPOT {percentiles(result.tpot)}")
     print(f"prefix-hit rate {result.cached_tokens / result.prompt_tokens:.1%} "
           f"({result.cached_tokens} of {result.prompt_tokens} prompt tokens)")
+    args.num_requests_run = num_requests
+    print_roofline(engine, args, round(sum(lengths) / len(lengths)), output_len)
     if args.skip_hf:
         return
 
     hf_dtype = getattr(torch, args.hf_dtype)
+    dummy_config = engine.runner.config if args.dummy_weights else None
     del engine
-    hf = hf_model_from_cache(args.model, hf_dtype)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    if args.dummy_weights:  # the same random weights (same shape, seed and names) in transformers
+        from engine.dummy_weights import DummyCheckpoint
+        hf = hf_model_from_checkpoint(DummyCheckpoint(dummy_config, seed=args.seed, device=device), hf_dtype, device)
+    else:
+        hf = hf_model_from_cache(args.model, hf_dtype).to(device)
     pad_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
     print(f"\n== HF transformers generate() ({args.hf_dtype}, left-padded static batches, greedy) ==")
     best = None
