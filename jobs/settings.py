@@ -38,7 +38,7 @@ class Settings(BaseSettings):
     # --- model / engine ---------------------------------------------------------------
     model: str = "default"                       # engine.resolve_model() argument
     served_model_name: str = "SmolLM2-135M-Instruct"  # name in responses; also accepted as body.model
-    quantization: Literal["none", "int4"] = "none"
+    quantization: Literal["none", "int4"] = "int4"      # the engine's default; GGUF Q4 blocks import exactly
     device: str = "auto"
     engine_max_num_seqs: int = 64
     engine_max_num_batched_tokens: int = 2048
