@@ -12,7 +12,7 @@ The rule (issue 4; for float32 it is issue 2's rule):
 * Pass: at least `min_equal` (0.9) of prompts equal and every other one diverging after a near-tie.
 
 The prompt set is the engine issue's: 8 chat questions with a shared system prompt, 4 without
-it, and 6 raw texts of mixed lengths (the same construction as tests/engine/test_correctness.py).
+it, and 6 raw texts of mixed lengths (tests/engine/test_correctness.py uses this set).
 """
 from __future__ import annotations
 

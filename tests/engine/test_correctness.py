@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.engine import Engine
+from engine.greedy_check import default_prompts   # the one prompt set (also used on GPU)
 from engine.loader import model_name, resolve_model
 from engine.tokenizer import load_tokenizer
 from engine.types import GenerationRequest, SamplingParams
@@ -23,40 +24,10 @@ NEW_TOKENS = 32
 NEAR_TIE = 1e-3
 MAX_BATCHED_TOKENS = 48       # smaller than most prompts: they are prefilled in chunks
 
-SYSTEM = ("You are Nightshift's assistant. You answer briefly and precisely, you never invent facts, "
-          "and when a question is ambiguous you say which reading you chose before answering it.")
-QUESTIONS = [
-    "What is the capital of France?",
-    "Explain photosynthesis to a ten-year-old.",
-    "Write a haiku about autumn leaves.",
-    "How many legs does a spider have?",
-    "Translate 'good morning' into Spanish and German.",
-    "Give me three tips for learning to play the guitar.",
-    "What is 17 multiplied by 23?",
-    "Summarise the plot of Romeo and Juliet in two sentences.",
-]
-RAW_TEXTS = [
-    "Once upon a time",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "The three primary colours are",
-    "import torch\nimport torch.nn as nn\n\nclass MLP(nn.Module):",
-    "Q: What is the boiling point of water at sea level?\nA:",
-    ("The history of the bicycle begins in the early nineteenth century, when inventors in Europe "
-     "experimented with two-wheeled machines pushed along by the rider's feet. ") * 4,
-]
-
-
-def build_prompts(tokenizer):
-    prompts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},
-                                              {"role": "user", "content": q}]) for q in QUESTIONS]
-    prompts += [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS[:4]]
-    prompts += [tokenizer.encode(t) for t in RAW_TEXTS]
-    return prompts
-
 
 @pytest.fixture(scope="module")
 def prompts():
-    return build_prompts(load_tokenizer("default"))
+    return default_prompts(load_tokenizer("default"))
 
 
 @torch.inference_mode()
