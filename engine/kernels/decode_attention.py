@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.paged_tile import load_kv_tile, online_softmax_step
+
 
 @triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tables_ptr, context_lens_ptr,
@@ -47,19 +49,11 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr, block_tabl
     for start in range(begin, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         p_mask = pos < end
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
-        row = block * stride_cb + (pos % PAGE) * stride_cp + kv_head * stride_ch
-        kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, pos, p_mask, d, d_mask,
+                            stride_bt, stride_cb, stride_cp, stride_ch, PAGE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale           # [BLOCK_G, BLOCK_N]
         s = tl.where(p_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
     # an empty partition (past this sequence's end) leaves l_i = 0: write zeros and lse = -inf
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.decode_attention import dot_precision
+from engine.kernels.paged_tile import load_kv_tile, online_softmax_step
 
 
 @triton.jit
@@ -51,20 +52,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     for start in range(0, end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
         p_mask = pos < end
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // PAGE, mask=p_mask, other=0).to(tl.int64)
-        kv_row = block * stride_cb + (pos % PAGE) * stride_cp + kv_head * stride_ch
-        kv_mask = p_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, pos, p_mask, d, d_mask,
+                            stride_bt, stride_cb, stride_cp, stride_ch, PAGE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale            # [BLOCK_M, BLOCK_N]
         visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, PRECISION)
     out = acc / l_i[:, None]      # every real row sees position 0; padded rows see all of `end`
     tl.store(out_ptr + (first_row + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
