@@ -58,22 +58,22 @@ def _timed(runner, items, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def _blocks(first: int, tokens: int, block_size: int) -> list[int]:
-    return list(range(first, first + (tokens + block_size - 1) // block_size))
+def _block_tables(runner, sequences: int, tokens: int, what: str) -> list[list[int]]:
+    """Disjoint block tables for `sequences` sequences of `tokens` tokens each, checked against the pool."""
+    per_seq = (tokens + runner.block_size - 1) // runner.block_size
+    if sequences * per_seq > runner.num_kv_blocks:
+        raise ValueError(f"{what} needs {sequences * per_seq} KV blocks, the pool has {runner.num_kv_blocks}")
+    return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(sequences)]
 
 
 def measure_decode(runner, batch: int, context: int, steps: int, peak: Optional[DevicePeak],
                    seed: int = 0) -> Measurement:
     """One decode step of `batch` sequences whose new token is at position context - 1."""
     from engine.model_runner import StepItem
-    per_seq = (context + runner.block_size - 1) // runner.block_size
-    if batch * per_seq > runner.num_kv_blocks:
-        raise ValueError(f"decode batch {batch} x context {context} needs {batch * per_seq} KV blocks, "
-                         f"the pool has {runner.num_kv_blocks}")
+    tables = _block_tables(runner, batch, context, f"decode batch {batch} x context {context}")
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, runner.config.vocab_size, (batch,), generator=g).tolist()
-    items = [StepItem([tokens[b]], context - 1, _blocks(b * per_seq, context, runner.block_size))
-             for b in range(batch)]
+    items = [StepItem([tokens[b]], context - 1, tables[b]) for b in range(batch)]
     seconds = _timed(runner, items, steps)
     amount = decode_step_bytes(weight_bytes_per_step(runner.model), kv_bytes_per_token(runner.config, runner.dtype),
                                [context] * batch)
@@ -85,13 +85,10 @@ def measure_prefill(runner, prompts: int, length: int, repeats: int, peak: Optio
                     seed: int = 0) -> Measurement:
     """One step prefilling `prompts` fresh prompts of `length` tokens (logits for each last token)."""
     from engine.model_runner import StepItem
-    per_seq = (length + runner.block_size - 1) // runner.block_size
-    if prompts * per_seq > runner.num_kv_blocks:
-        raise ValueError(f"{prompts} prompts of {length} tokens need {prompts * per_seq} KV blocks, "
-                         f"the pool has {runner.num_kv_blocks}")
+    tables = _block_tables(runner, prompts, length, f"{prompts} prompts of {length} tokens")
     g = torch.Generator().manual_seed(seed)
-    items = [StepItem(torch.randint(0, runner.config.vocab_size, (length,), generator=g).tolist(), 0,
-                      _blocks(p * per_seq, length, runner.block_size)) for p in range(prompts)]
+    items = [StepItem(torch.randint(0, runner.config.vocab_size, (length,), generator=g).tolist(), 0, tables[p])
+             for p in range(prompts)]
     seconds = _timed(runner, items, repeats)
     amount = prefill_flops(runner.config, [(0, length)] * prompts)
     util = None if peak is None else utilisation(amount, seconds, peak.bf16_flops)
