@@ -208,6 +208,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dummy-weights", metavar="NAME", help="random weights of a Llama shape (llama-1b, "
                         "llama-8b, llama-tiny; engine/dummy_weights.py) instead of --model, default tokenizer")
+    parser.add_argument("--tokenizer", default="default", help="with --dummy-weights: the tokenizer's model, or "
+                        "a directory written by Tokenizer.save (default: the default model's)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (engine and HF baseline)")
     parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size (default: the engine's)")
     parser.add_argument("--roofline-prefill-len", type=int, default=2048, help="prompt length of the MFU step")
@@ -247,12 +249,13 @@ def main(argv=None) -> None:
     if args.dummy_weights:
         from engine.dummy_weights import dummy_engine
         engine = dummy_engine(args.dummy_weights, quantization=args.quantization, device=device, dtype=args.dtype,
-                              seed=args.seed, max_position_embeddings=DUMMY_MAX_POSITIONS, **config)
+                              seed=args.seed, max_position_embeddings=DUMMY_MAX_POSITIONS, tokenizer=args.tokenizer,
+                              **config)
     else:
         engine = Engine.from_pretrained(args.model, quantization=args.quantization, device=device, dtype=args.dtype,
                                         **config)
     load_seconds = time.time() - t0
-    tokenizer = load_tokenizer("default" if args.dummy_weights else args.model)
+    tokenizer = load_tokenizer(args.tokenizer if args.dummy_weights else args.model)
     prompts = build_workload(tokenizer, num_requests, args.seed)
     lengths = [len(p) for p in prompts]
     print(f"machine: {machine()}")

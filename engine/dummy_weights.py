@@ -113,8 +113,9 @@ def build_dummy_model(name: str, dtype: torch.dtype = torch.float32, device: str
 
 
 def dummy_engine(name: str, quantization: str = "none", device: str = "auto", dtype=None, seed: int = 0,
-                 max_position_embeddings: Optional[int] = None, **engine_options):
-    """An Engine over random weights of shape `name`, with the default model's tokenizer.
+                 max_position_embeddings: Optional[int] = None, tokenizer: str = "default", **engine_options):
+    """An Engine over random weights of shape `name`, with the tokenizer of `tokenizer` (a model, or a
+    saved tokenizer directory; see load_tokenizer), by default the default model's.
     engine_options: those of Engine.from_model (max_num_seqs, num_kv_blocks, ...)."""
     from engine.engine import Engine, resolve_device, resolve_dtype, resolve_quantization
     from engine.tokenizer import load_tokenizer
@@ -122,4 +123,4 @@ def dummy_engine(name: str, quantization: str = "none", device: str = "auto", dt
     device = resolve_device(device)
     model = build_dummy_model(name, resolve_dtype(dtype, device), device, resolve_quantization(quantization),
                               seed, max_position_embeddings)
-    return Engine.from_model(model, load_tokenizer("default"), f"dummy-{name}", **engine_options)
+    return Engine.from_model(model, load_tokenizer(tokenizer), f"dummy-{name}", **engine_options)

@@ -202,9 +202,13 @@ def save_gguf_tokenizer(meta: dict[str, Any], entry: Path) -> Tokenizer:
 
 
 def load_tokenizer(model: str = "default", cache_dir: Optional[str] = None) -> Tokenizer:
-    """The tokenizer of `model` (see engine.loader.resolve_model), without loading any weights."""
+    """The tokenizer of `model` (see engine.loader.resolve_model), without loading any weights.
+    `model` may also be a directory written by `Tokenizer.save` (e.g. a converted model's cache
+    entry): a tokenizer shipped without its weights, as the dummy-weight benchmarks use it."""
     from engine.loader import cache_entry, resolve_model
 
+    if (Path(model).expanduser() / META_FILE).exists():
+        return Tokenizer.load(Path(model).expanduser())
     path = Path(resolve_model(model))
     if path.is_dir():
         return tokenizer_from_hf_dir(path)

