@@ -34,7 +34,7 @@ CALIBRATION_TEXTS = (
     "Tell me a short story about a robot who wants to become a gardener.",
     "What are the main causes of inflation, in simple terms?",
 )
-CONTINUATION_TOKENS = 48
+CONTINUATION_TOKENS = 96
 
 
 @dataclass

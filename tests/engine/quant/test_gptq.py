@@ -30,12 +30,17 @@ def test_gptq_lowers_output_error_on_held_out_rows():
     w = torch.randn(128, 256) * 0.05
     calib, held_out = _correlated_activations(1024), _correlated_activations(512, seed=7)
     reference = held_out @ w.t()
-    gptq = quantize_gptq(w, _stats(calib), 64)
     rtn = quantize_rtn(w, 64)
-    gptq_err = (held_out @ gptq.dequantize().t() - reference).pow(2).mean()
-    rtn_err = (held_out @ rtn.dequantize().t() - reference).pow(2).mean()
-    assert gptq_err < 0.6 * rtn_err
-    assert gptq.scales.shape == rtn.scales.shape and gptq.qweight.dtype == torch.uint8
+
+    def err(q):
+        return (held_out @ q.dequantize().t() - reference).pow(2).mean()
+
+    # plenty of calibration rows (4 per input): light damping pays, both column orders work
+    assert err(quantize_gptq(w, _stats(calib), 64, damp=0.01, act_order=False)) < 0.4 * err(rtn)
+    assert err(quantize_gptq(w, _stats(calib), 64, damp=0.01, act_order=True)) < 0.4 * err(rtn)
+    default = quantize_gptq(w, _stats(calib), 64)   # damped for the real model's scarce rows
+    assert err(default) < 0.85 * err(rtn)
+    assert default.scales.shape == rtn.scales.shape and default.qweight.dtype == torch.uint8
 
 
 def test_gptq_with_identity_hessian_is_rtn():
