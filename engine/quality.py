@@ -9,8 +9,8 @@ tensors dequantized exactly). The INT4 variants compared with it (``--variants``
   weights as fp, so differences come only from the kernels' arithmetic.
 * ``rtn-g128``: round-to-nearest from the fp weights at group 128 (64 where a 576-wide row
   does not divide by 128) - a grid the GGUF weights were not on.
-* ``awq-g128``, ``gptq-g128``: the same grid, quantized with AWQ scaling or GPTQ
-  (``QuantConfig.method``), calibrated on engine/quant/calibration.py's texts (none of them
+* ``awq-g128``, ``gptq-g128``, ``awq-gptq-g128``: the same grid, quantized with AWQ scaling,
+  GPTQ or both (``QuantConfig.method``), calibrated on engine/quant/calibration.py's texts (none of them
   from this prompt set).
 
 Each variant is loaded through the engine's loader (so quantized once, then from the disk
@@ -137,7 +137,8 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
     configs = {"gguf-import": QuantConfig(),
                "rtn-g128": QuantConfig(group_size=128, import_gguf_blocks=False),
                "awq-g128": QuantConfig(group_size=128, import_gguf_blocks=False, method="awq"),
-               "gptq-g128": QuantConfig(group_size=128, import_gguf_blocks=False, method="gptq")}
+               "gptq-g128": QuantConfig(group_size=128, import_gguf_blocks=False, method="gptq"),
+               "awq-gptq-g128": QuantConfig(group_size=128, import_gguf_blocks=False, method="awq-gptq")}
     unknown = set(variants or ()) - set(configs)
     if unknown:
         raise ValueError(f"unknown variant(s) {sorted(unknown)}; choose from {sorted(configs)}")
@@ -176,7 +177,7 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
             result = Comparison(variant, kernel, fp_logprobs.shape[0] * fp_logprobs.shape[1],
                                 top1, kl, exact, time.perf_counter() - t0)
             results.append(result)
-            log(f"{variant:11s} {kernel:12s} top1={top1:.4f} KL={kl:.2e} greedy_exact={exact:.3f} "
+            log(f"{variant:13s} {kernel:12s} top1={top1:.4f} KL={kl:.2e} greedy_exact={exact:.3f} "
                 f"({result.seconds:.1f}s)")
     return {"model": model, "prompts": len(prompts), "new_tokens": new_tokens,
             "comparisons": [asdict(r) for r in results], "checkpoint_sizes": sizes}
@@ -199,7 +200,7 @@ def main(argv=None) -> None:
                       variants=tuple(args.variants.split(",")) if args.variants else None,
                       kernels=tuple(args.kernels.split(",")))
     for variant, size in report["checkpoint_sizes"].items():
-        print(f"{variant:11s} quantized layers: {size['int4_bytes'] / 2**20:.1f} MiB INT4 vs "
+        print(f"{variant:13s} quantized layers: {size['int4_bytes'] / 2**20:.1f} MiB INT4 vs "
               f"{size['bf16_bytes'] / 2**20:.1f} MiB bf16 ({size['ratio_vs_bf16']:.2f}x smaller; "
               f"{size['ratio_vs_fp32']:.2f}x vs fp32), groups {size['group_sizes']}")
     if args.json:

@@ -20,6 +20,14 @@ ALPHAS = tuple(i / 10 for i in range(11))
 def quantize_awq(weight: torch.Tensor, stats: ActivationStats, group_size: int) -> tuple[Int4Weight, torch.Tensor, float]:
     """(INT4 weight of ``W * s``, the activation multiplier ``1/s`` [K], the chosen alpha)."""
     w = weight.to(torch.float32)
+    s, alpha = awq_channel_scale(w, stats, group_size)
+    return quantize_rtn(w * s, group_size), (1.0 / s).to(torch.float32), alpha
+
+
+def awq_channel_scale(weight: torch.Tensor, stats: ActivationStats, group_size: int) -> tuple[torch.Tensor, float]:
+    """(per-input-channel multiplier ``s`` [K] for the weight, alpha) with the least output error
+    of plain RTN of ``W * s`` on the calibration sample."""
+    w = weight.to(torch.float32)
     x = stats.sample
     reference = x @ w.t()
     mean_abs = stats.mean_abs.clamp(min=1e-6)
@@ -32,4 +40,4 @@ def quantize_awq(weight: torch.Tensor, stats: ActivationStats, group_size: int) 
         if best is None or err < best[0]:
             best = (err, alpha, s)
     _, alpha, s = best
-    return quantize_rtn(w * s, group_size), (1.0 / s).to(torch.float32), alpha
+    return s, alpha

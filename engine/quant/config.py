@@ -10,8 +10,8 @@ from engine.quant.format import SUPPORTED_GROUP_SIZES
 # steps of at most this many rows; above it the dequantized dense weight is used.
 DEFAULT_CPU_INT4_MAX_ROWS = 8
 
-METHODS = ("rtn", "awq", "gptq")
-CALIBRATED_METHODS = ("awq", "gptq")
+METHODS = ("rtn", "awq", "gptq", "awq-gptq")
+CALIBRATED_METHODS = ("awq", "gptq", "awq-gptq")
 # Bumped whenever a method's output changes (its search, its defaults, the calibration data),
 # so stale disk-cache files are not reused. v3: asymmetric clip search + least-squares refit of
 # scale/min, GPTQ act-order with damp 0.3, 16 calibration texts + 96-token answers.
@@ -33,9 +33,9 @@ class QuantConfig:
         larger ones a dense matmul of the dequantized weight.
     method: how full-precision weights are quantized: "rtn" (round-to-nearest, each group's
         scale/min searched, engine/quant/format.py), "awq" (the same after activation-aware
-        per-channel scaling, engine/quant/awq.py) or "gptq" (Hessian-based error compensation,
-        engine/quant/gptq.py). "awq" and "gptq" calibrate on a few texts
-        (engine/quant/calibration.py) and need the loader.
+        per-channel scaling, engine/quant/awq.py), "gptq" (Hessian-based error compensation,
+        engine/quant/gptq.py) or "awq-gptq" (AWQ's scaling, then GPTQ). All but "rtn" calibrate
+        on a few texts (engine/quant/calibration.py) and need the loader.
     import_gguf_blocks: take GGUF Q4_0/Q4_1 tensors as they are (exact, group 32); False
         quantizes their dequantized values with ``method``/``group_size`` instead.
     cache_dense_weight: keep the dequantized weight (in the activation dtype) for those large

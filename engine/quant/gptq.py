@@ -98,3 +98,14 @@ def _gptq_act_order(w: torch.Tensor, h: torch.Tensor, group_size: int) -> Int4We
         w[:, b1:] -= errors @ hinv[b0:b1, b1:]
     q = q[:, torch.argsort(perm)].to(torch.float32)
     return Int4Weight(pack_int4(q), scales.squeeze(-1).contiguous(), mins.squeeze(-1).contiguous(), group_size)
+
+
+def quantize_awq_gptq(weight: torch.Tensor, stats: ActivationStats, group_size: int) -> tuple[Int4Weight, torch.Tensor]:
+    """AWQ's per-channel scaling (engine/quant/awq.py) followed by GPTQ of the scaled weight
+    ``W * s`` on the correspondingly scaled inputs ``x / s``; returns (weight, input scale 1/s)."""
+    from engine.quant.awq import awq_channel_scale
+
+    s, _ = awq_channel_scale(weight, stats, group_size)
+    inv = (1.0 / s).to(torch.float64)
+    scaled = ActivationStats(stats.mean_abs / s, stats.sample / s, stats.xtx * inv[:, None] * inv[None, :], stats.rows)
+    return quantize_gptq(weight.to(torch.float32) * s, scaled, group_size), (1.0 / s).to(torch.float32)

@@ -21,7 +21,7 @@ from engine.quant.cache import active_cache
 from engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS, QuantConfig
 from engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from engine.quant.format import Int4Weight, fitting_group_size, quantize_rtn
-from engine.quant.gptq import quantize_gptq
+from engine.quant.gptq import quantize_awq_gptq, quantize_gptq
 from engine.quant.gguf_import import DIRECT_IMPORT_TYPES, int4_from_gguf_blocks
 
 
@@ -129,8 +129,8 @@ class Int4Linear(nn.Module):
 
 def int4_weight_for(source, config: QuantConfig, activation_stats=None):
     """(INT4 weight, AWQ input scale or None) of a (possibly fused) projection: GGUF Q4_0/Q4_1
-    blocks imported as they are, anything else quantized from its float32 values (RTN, AWQ or
-    GPTQ)."""
+    blocks imported as they are, anything else quantized from its float32 values (RTN, AWQ,
+    GPTQ or both)."""
     blocks = source.gguf_blocks() if config.import_gguf_blocks else None
     if blocks is not None and all(GGMLQuantizationType(b.qtype) in DIRECT_IMPORT_TYPES for b in blocks):
         parts = [int4_from_gguf_blocks(b.raw, GGMLQuantizationType(b.qtype), b.out_features,
@@ -145,6 +145,8 @@ def int4_weight_for(source, config: QuantConfig, activation_stats=None):
                              f"for this layer")
         if config.method == "gptq":
             return quantize_gptq(dense, activation_stats[source.name], group), None
+        if config.method == "awq-gptq":
+            return quantize_awq_gptq(dense, activation_stats[source.name], group)
         weight, input_scale, _ = quantize_awq(dense, activation_stats[source.name], group)
         return weight, input_scale
     return quantize_rtn(dense, group), None

@@ -8,7 +8,7 @@ from engine.quant.cache import quantized_checkpoint_cache
 from engine.quant.calibration import ActivationStats
 from engine.quant.config import QuantConfig
 from engine.quant.format import quantize_rtn, search_group_grid
-from engine.quant.gptq import quantize_gptq
+from engine.quant.gptq import quantize_awq_gptq, quantize_gptq
 from engine.quant.linear import build_int4_linear
 
 
@@ -51,6 +51,19 @@ def test_gptq_with_identity_hessian_is_rtn():
     assert torch.equal(quantize_gptq(w, stats, 128).dequantize(), quantize_rtn(w, 128).dequantize())
 
 
+def test_awq_gptq_applies_its_scale_and_beats_rtn():
+    # salient channels (large, uncorrelated with the rest) plus correlated inputs
+    torch.manual_seed(3)
+    w = torch.randn(128, 256) * 0.05
+    calib, held_out = _correlated_activations(1024), _correlated_activations(512, seed=7)
+    reference = held_out @ w.t()
+    q, input_scale = quantize_awq_gptq(w, _stats(calib), 64)
+    assert input_scale.shape == (256,) and not torch.allclose(input_scale, torch.ones(256))
+    combined = (held_out * input_scale @ q.dequantize().t() - reference).pow(2).mean()
+    rtn = (held_out @ quantize_rtn(w, 64).dequantize().t() - reference).pow(2).mean()
+    assert combined < 0.85 * rtn
+
+
 def test_gptq_needs_hessian():
     with pytest.raises(ValueError, match="x\\^T x"):
         quantize_gptq(torch.randn(8, 64), ActivationStats(torch.ones(64), torch.randn(4, 64)), 32)
@@ -72,13 +85,14 @@ def test_asymmetric_clip_and_refit_beat_symmetric_clip():
     assert (q == q.round()).all() and q.min() >= 0 and q.max() <= 15
 
 
-def test_gptq_method_through_config_and_cache(tmp_path):
+@pytest.mark.parametrize("method", ["gptq", "awq-gptq"])
+def test_gptq_method_through_config_and_cache(tmp_path, method):
     x = _correlated_activations(512, k=128)
     w = torch.randn(32, 128) * 0.05
     name = "model.layers.0.self_attn.o_proj"
     source = WeightSource(name=name, parts=["w"], tensor=lambda n: w if n == "w.weight" else None,
                           gguf=lambda n: None, dtype=torch.float32, device=torch.device("cpu"))
-    config = QuantConfig(method="gptq", group_size=64)
+    config = QuantConfig(method=method, group_size=64)
     assert config.needs_calibration and config.cache_tag() != QuantConfig(group_size=64).cache_tag()
     calls = []
 
@@ -91,7 +105,8 @@ def test_gptq_method_through_config_and_cache(tmp_path):
     with quantized_checkpoint_cache(tmp_path, "b" * 64, config, calibrate=calibrate):
         second = build_int4_linear(source, config)
     assert calls == [1]
-    assert torch.equal(first.qweight, second.qweight) and first.input_scale is None
+    assert torch.equal(first.qweight, second.qweight)
+    assert (first.input_scale is not None) == (method == "awq-gptq")
     rtn = build_int4_linear(source, QuantConfig(group_size=64))
     first.cpu_int4_max_rows = rtn.cpu_int4_max_rows = 0
     reference = x @ w.t()
