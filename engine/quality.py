@@ -10,8 +10,9 @@ tensors dequantized exactly). The INT4 variants compared with it (``--variants``
 * ``rtn-g128``: round-to-nearest from the fp weights at group 128 (64 where a 576-wide row
   does not divide by 128) - a grid the GGUF weights were not on.
 * ``awq-g128``, ``gptq-g128``, ``awq-gptq-g128``: the same grid, quantized with AWQ scaling,
-  GPTQ or both (``QuantConfig.method``), calibrated on engine/quant/calibration.py's texts (none of them
-  from this prompt set).
+  GPTQ or both (``QuantConfig.method``), calibrated on engine/quant/calibration.py's texts
+  (none of them from this prompt set). Their first load calibrates (minutes), later ones hit
+  the disk cache.
 
 Each variant is loaded through the engine's loader (so quantized once, then from the disk
 cache) and run with each of ``--kernels``: ``dense`` (the dequantized float32 weights, the CPU
