@@ -3,20 +3,22 @@
     python -m engine.quality [--model default] [--prompts 64] [--tokens 32] [--json out.json]
 
 Full precision ("fp") is the checkpoint's float32 weights (for a GGUF file: its quantized
-tensors dequantized exactly). Two INT4 variants are compared with it:
+tensors dequantized exactly). The INT4 variants compared with it (``--variants``, default all):
 
 * ``gguf-import``: GGUF Q4_0/Q4_1 blocks imported as they are (group 32). These are the same
   weights as fp, so differences come only from the kernels' arithmetic.
 * ``rtn-g128``: round-to-nearest from the fp weights at group 128 (64 where a 576-wide row
   does not divide by 128) - a grid the GGUF weights were not on.
+* ``awq-g128``, ``gptq-g128``, ``awq-gptq-g128``: the same grid, quantized with AWQ scaling,
+  GPTQ or both (``QuantConfig.method``), calibrated on engine/quant/calibration.py's texts
+  (none of them from this prompt set). Their first load calibrates (minutes), later ones hit
+  the disk cache.
 
-With ``--awq``, a third variant ``rtn-g128-awq`` adds activation-aware per-channel scaling
-(engine/quant/awq.py) calibrated on a few texts unrelated to the evaluation prompts; it is
-measured here only, the engine does not load with it.
-
-Each INT4 variant runs twice: with its CPU dense path (dequantized float32 weights, used for
-steps of more than 8 rows) and with torch's int4 kernel forced for every decode step (the path
-batch-1 decode takes; bfloat16 activations). On a fixed set of chat prompts it reports:
+Each variant is loaded through the engine's loader (so quantized once, then from the disk
+cache) and run with each of ``--kernels``: ``dense`` (the dequantized float32 weights, the CPU
+path of steps of more than 8 rows), ``int4-kernel`` (the batch-1 engine path: the prefill dense,
+every decode step on torch's int4 kernel with bfloat16 activations) and ``int4-kernel-all``
+(the kernel on the prefill too). On a fixed set of chat prompts it reports:
 
 * top-1 agreement and mean KL(fp || int4) of the next-token distribution at every position of
   fp's greedy continuation (teacher-forced, so both models see the same tokens);
@@ -73,8 +75,11 @@ class Comparison:
 class _Stepper:
     """Runs a model over many sequences at once through ModelRunner, one token per step."""
 
-    def __init__(self, model, prompts: list[list[int]], new_tokens: int, block_size: int = 16):
+    def __init__(self, model, prompts: list[list[int]], new_tokens: int, block_size: int = 16,
+                 after_prefill=None, before_prefill=None):
         self.prompts = prompts
+        self.after_prefill = after_prefill or (lambda: None)
+        self.before_prefill = before_prefill or (lambda: None)
         blocks_each = [math.ceil((len(p) + new_tokens) / block_size) for p in prompts]
         self.runner = ModelRunner(model, num_kv_blocks=sum(blocks_each), block_size=block_size)
         starts = [sum(blocks_each[:i]) for i in range(len(prompts))]
@@ -86,6 +91,7 @@ class _Stepper:
         items = [StepItem(p, 0, t) for p, t in zip(self.prompts, self.tables)]
         logprobs, tokens = [], [[] for _ in self.prompts]
         for step in range(new_tokens):
+            (self.after_prefill if step else self.before_prefill)()
             lp = F.log_softmax(self.runner.execute(items).float(), dim=-1)
             logprobs.append(lp)
             chosen = lp.argmax(-1).tolist() if forced is None else [f[step] for f in forced]
@@ -93,24 +99,6 @@ class _Stepper:
                 tokens[i].append(tok)
             items = [StepItem([tok], len(p) + step, t) for tok, p, t in zip(chosen, self.prompts, self.tables)]
         return tokens, torch.stack(logprobs)
-
-
-def apply_awq(int4_model, fp_model, tokenizer, group_size: int = 128) -> list[float]:
-    """Re-quantize every Int4Linear of ``int4_model`` with AWQ scaling from ``fp_model``'s weights
-    and activations on the calibration texts (engine/quant/awq.py); returns the chosen alphas."""
-    from engine.quant.awq import calibration_stats, quantize_awq
-    from engine.quant.format import fitting_group_size
-
-    stats = calibration_stats(fp_model, tokenizer)
-    alphas = []
-    for path, module in int4_model.named_modules():
-        if isinstance(module, Int4Linear):
-            weight = fp_model.get_submodule(path).weight.float()
-            group = fitting_group_size(weight.shape[1], group_size)
-            q, input_scale, alpha = quantize_awq(weight, stats[f"model.{path}"], group)
-            module.set_weight(q, input_scale)
-            alphas.append(alpha)
-    return alphas
 
 
 def _load(model: str, quant_config, cache_dir):
@@ -124,7 +112,11 @@ def _set_int4_max_rows(model, rows: int) -> None:
             module.cpu_int4_max_rows = rows
 
 
-KERNEL_ROWS = {"dense": 0, "int4-kernel": 1 << 30}  # Int4Linear.cpu_int4_max_rows forcing each path
+# Int4Linear.cpu_int4_max_rows for (the prefill step, the decode steps): "dense" forces the
+# dense path, "int4-kernel" is what the engine runs at batch 1 (the prefill of a prompt longer
+# than 8 tokens dense, every decode step on the int4 kernel), "int4-kernel-all" forces the
+# kernel on the prefill too.
+KERNEL_ROWS = {"dense": (0, 0), "int4-kernel": (0, 1 << 30), "int4-kernel-all": (1 << 30, 1 << 30)}
 
 
 def quantized_layer_bytes(model) -> tuple[int, int]:
@@ -138,15 +130,16 @@ def quantized_layer_bytes(model) -> tuple[int, int]:
 
 
 def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32,
-             cache_dir: str | None = None, awq: bool = False,
+             cache_dir: str | None = None,
              variants: tuple[str, ...] | None = None, kernels: tuple[str, ...] = ("dense", "int4-kernel"),
              log=print) -> dict:
     from engine.tokenizer import load_tokenizer
 
     configs = {"gguf-import": QuantConfig(),
-               "rtn-g128": QuantConfig(group_size=128, import_gguf_blocks=False)}
-    if awq:
-        configs["rtn-g128-awq"] = configs["rtn-g128"]
+               "rtn-g128": QuantConfig(group_size=128, import_gguf_blocks=False),
+               "awq-g128": QuantConfig(group_size=128, import_gguf_blocks=False, method="awq"),
+               "gptq-g128": QuantConfig(group_size=128, import_gguf_blocks=False, method="gptq"),
+               "awq-gptq-g128": QuantConfig(group_size=128, import_gguf_blocks=False, method="awq-gptq")}
     unknown = set(variants or ()) - set(configs)
     if unknown:
         raise ValueError(f"unknown variant(s) {sorted(unknown)}; choose from {sorted(configs)}")
@@ -164,20 +157,19 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
     for variant, config in configs.items():
         if variants and variant not in variants:
             continue
+        t0 = time.perf_counter()
         int4_model = _load(model, config, cache_dir)
-        if variant.endswith("-awq"):
-            alphas = apply_awq(int4_model, fp_model, tokenizer)
-            log(f"AWQ alphas per layer: mean {sum(alphas) / len(alphas):.2f}, "
-                f"{sum(a == 0 for a in alphas)} of {len(alphas)} layers kept plain RTN")
+        log(f"{variant}: loaded in {time.perf_counter() - t0:.1f}s")
         stored, dense = quantized_layer_bytes(int4_model)
         groups = sorted({m.group_size for m in int4_model.modules() if isinstance(m, Int4Linear)})
         sizes[variant] = {"int4_bytes": stored, "bf16_bytes": dense, "ratio_vs_bf16": dense / stored,
                           "ratio_vs_fp32": 2 * dense / stored, "group_sizes": groups}
         for kernel in kernels:
-            rows = KERNEL_ROWS[kernel]
-            _set_int4_max_rows(int4_model, rows)
+            prefill_rows, decode_rows = KERNEL_ROWS[kernel]
             t0 = time.perf_counter()
-            stepper = _Stepper(int4_model, prompts, new_tokens)
+            stepper = _Stepper(int4_model, prompts, new_tokens,
+                               before_prefill=lambda: _set_int4_max_rows(int4_model, prefill_rows),
+                               after_prefill=lambda: _set_int4_max_rows(int4_model, decode_rows))
             _, forced_lp = stepper.run(new_tokens, forced=fp_tokens)
             greedy_tokens, _ = stepper.run(new_tokens)
             top1 = (forced_lp.argmax(-1) == fp_logprobs.argmax(-1)).float().mean().item()
@@ -186,7 +178,7 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
             result = Comparison(variant, kernel, fp_logprobs.shape[0] * fp_logprobs.shape[1],
                                 top1, kl, exact, time.perf_counter() - t0)
             results.append(result)
-            log(f"{variant:12s} {kernel:12s} top1={top1:.4f} KL={kl:.2e} greedy_exact={exact:.3f} "
+            log(f"{variant:13s} {kernel:12s} top1={top1:.4f} KL={kl:.2e} greedy_exact={exact:.3f} "
                 f"({result.seconds:.1f}s)")
     return {"model": model, "prompts": len(prompts), "new_tokens": new_tokens,
             "comparisons": [asdict(r) for r in results], "checkpoint_sizes": sizes}
@@ -199,18 +191,17 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-dir", default=None)
-    ap.add_argument("--awq", action="store_true", help="also measure RTN g128 with AWQ scaling")
     ap.add_argument("--variants", default=None, help="comma list (default: all)")
-    ap.add_argument("--kernels", default="dense,int4-kernel", help="comma list of dense,int4-kernel")
+    ap.add_argument("--kernels", default="dense,int4-kernel", help=f"comma list of {','.join(KERNEL_ROWS)}")
     ap.add_argument("--json", default=None, help="also write the report to this file")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = evaluate(args.model, args.prompts, args.tokens, args.cache_dir, awq=args.awq,
+    report = evaluate(args.model, args.prompts, args.tokens, args.cache_dir,
                       variants=tuple(args.variants.split(",")) if args.variants else None,
                       kernels=tuple(args.kernels.split(",")))
     for variant, size in report["checkpoint_sizes"].items():
-        print(f"{variant:12s} quantized layers: {size['int4_bytes'] / 2**20:.1f} MiB INT4 vs "
+        print(f"{variant:13s} quantized layers: {size['int4_bytes'] / 2**20:.1f} MiB INT4 vs "
               f"{size['bf16_bytes'] / 2**20:.1f} MiB bf16 ({size['ratio_vs_bf16']:.2f}x smaller; "
               f"{size['ratio_vs_fp32']:.2f}x vs fp32), groups {size['group_sizes']}")
     if args.json:

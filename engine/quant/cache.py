@@ -11,8 +11,8 @@ The loader opens it around model construction::
         model = build_model(...)           # build_int4_linear() reads/fills the active cache
 
 Layers missing from the file are quantized and the file is rewritten (atomically) on exit.
-``calibrate`` (for ``method="awq"``) returns per-layer activation statistics; it runs only
-when a layer actually has to be quantized, never on a cache hit.
+``calibrate`` (for the calibrated methods: awq, gptq, awq-gptq) returns per-layer activation
+statistics; it runs only when a layer actually has to be quantized, never on a cache hit.
 """
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class QuantizedCheckpointCache:
         """Calibration statistics for AWQ, computed on first use."""
         if self._stats is None:
             if self._calibrate is None:
-                raise ValueError("method='awq' needs calibration activations: load the model through "
+                raise ValueError("methods awq/gptq/awq-gptq need calibration activations: load the model through "
                                  "engine.loader.load_model")
             self._stats = self._calibrate()
         return self._stats

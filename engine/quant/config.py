@@ -10,6 +10,13 @@ from engine.quant.format import SUPPORTED_GROUP_SIZES
 # steps of at most this many rows; above it the dequantized dense weight is used.
 DEFAULT_CPU_INT4_MAX_ROWS = 8
 
+METHODS = ("rtn", "awq", "gptq", "awq-gptq")
+CALIBRATED_METHODS = ("awq", "gptq", "awq-gptq")
+# Bumped whenever a method's output changes (its search, its defaults, the calibration data),
+# so stale disk-cache files are not reused. v3: asymmetric clip search + least-squares refit of
+# scale/min, GPTQ act-order with damp 0.3, 16 calibration texts + 96-token answers.
+QUANTIZER_VERSION = 3
+
 
 @dataclass(frozen=True)
 class QuantConfig:
@@ -24,8 +31,11 @@ class QuantConfig:
         and the lm_head's logits drive sampling directly (SmolLM2 also ties it to the embedding).
     cpu_int4_max_rows: on CPU, steps with at most this many rows use torch's int4 kernel,
         larger ones a dense matmul of the dequantized weight.
-    method: "rtn" (round-to-nearest with clip search) or "awq" (the same after activation-aware
-        per-channel scaling calibrated on a few texts, engine/quant/awq.py; needs the loader).
+    method: how full-precision weights are quantized: "rtn" (round-to-nearest, each group's
+        scale/min searched, engine/quant/format.py), "awq" (the same after activation-aware
+        per-channel scaling, engine/quant/awq.py), "gptq" (Hessian-based error compensation,
+        engine/quant/gptq.py) or "awq-gptq" (AWQ's scaling, then GPTQ). All but "rtn" calibrate
+        on a few texts (engine/quant/calibration.py) and need the loader.
     import_gguf_blocks: take GGUF Q4_0/Q4_1 tensors as they are (exact, group 32); False
         quantizes their dequantized values with ``method``/``group_size`` instead.
     cache_dense_weight: keep the dequantized weight (in the activation dtype) for those large
@@ -42,10 +52,14 @@ class QuantConfig:
     def __post_init__(self) -> None:
         if self.group_size not in SUPPORTED_GROUP_SIZES:
             raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}")
-        if self.method not in ("rtn", "awq"):
-            raise ValueError(f"unknown quantization method {self.method!r} (supported: 'rtn', 'awq')")
+        if self.method not in METHODS:
+            raise ValueError(f"unknown quantization method {self.method!r} (supported: {METHODS})")
         if self.cpu_int4_max_rows < 0:
             raise ValueError("cpu_int4_max_rows must be >= 0")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method in CALIBRATED_METHODS
 
     def quantizes(self, layer_name: str) -> bool:
         components = set(layer_name.split("."))
@@ -53,7 +67,7 @@ class QuantConfig:
 
     def cache_tag(self) -> str:
         """What changes the stored quantized weights (not the runtime kernel choices)."""
-        return (f"int4-{self.method}-clip-g{self.group_size}-gguf{int(self.import_gguf_blocks)}"
+        return (f"int4-{self.method}-v{QUANTIZER_VERSION}-g{self.group_size}-gguf{int(self.import_gguf_blocks)}"
                 f"-fp[{','.join(self.full_precision_layers)}]")
 
 

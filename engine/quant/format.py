@@ -117,11 +117,19 @@ def fitting_group_size(in_features: int, requested: int) -> int:
 def quantize_rtn(weight: torch.Tensor, group_size: int = 128, clip_search: bool = True) -> Int4Weight:
     """Round-to-nearest asymmetric INT4 of a dense ``[N, K]`` weight, one (scale, min) per group.
 
-    clip_search: the range of each group is the [min, max] of its weights shrunk by the ratio
-    (1.0, 0.98, ... 0.80) that gives the smallest squared error; outliers then cost a little
-    clipping instead of a coarser step for the whole group. Rounding stays round-to-nearest.
-    The scale and min are rounded to float16 first and the integers chosen against those
-    rounded values, so the stored triple reproduces the weight as closely as the format allows.
+    Every integer is the nearest grid point of its weight; what the search chooses is each
+    group's grid (scale, min), by the smallest squared error of the group (clip_search):
+
+    1. the range [min, max] of the group shrunk by one ratio in ``CLIP_RATIOS`` (1.0 .. 0.70);
+    2. then the lower and the upper end shrunk separately (asymmetric clipping), each over the
+       same ratios with the other end kept;
+    3. then ``REFIT_STEPS`` alternating steps: least-squares (scale, min) for the current
+       integers, integers re-rounded to the new grid (HQQ/k-quant style).
+
+    A step only replaces a group's grid when it lowers that group's error, so the result is
+    never worse per group than the plain [min, max] grid (``clip_search=False``). The scale and
+    min are rounded to float16 before the integers are chosen, so the stored triple reproduces
+    the weight as closely as the format allows.
     """
     if weight.dim() != 2:
         raise ValueError(f"expected a 2-D weight, got shape {tuple(weight.shape)}")
@@ -131,30 +139,65 @@ def quantize_rtn(weight: torch.Tensor, group_size: int = 128, clip_search: bool 
     if k % group_size:
         raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
     w = weight.detach().to(torch.float32).reshape(n, k // group_size, group_size)
-    wmin = w.amin(dim=-1, keepdim=True)
-    wmax = w.amax(dim=-1, keepdim=True)
-    best = None
-    for ratio in (CLIP_RATIOS if clip_search else (1.0,)):
-        q, scales, mins = _round_group(w, wmin * ratio, wmax * ratio)
-        err = (q * scales.float() + mins.float() - w).pow_(2).sum(-1, keepdim=True)
-        if best is None:
-            best = [err, q, scales, mins]
-            continue
-        better = err < best[0]
-        best[0] = torch.where(better, err, best[0])
-        best[1] = torch.where(better, q, best[1])
-        best[2] = torch.where(better, scales, best[2])
-        best[3] = torch.where(better, mins, best[3])
-    _, q, scales, mins = best
+    q, scales, mins = search_group_grid(w, clip_search)
     return Int4Weight(pack_int4(q.reshape(n, k)), scales.squeeze(-1).contiguous(),
                       mins.squeeze(-1).contiguous(), group_size)
 
 
-CLIP_RATIOS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.86, 0.84, 0.82, 0.80)
+CLIP_RATIOS = tuple(round(1.0 - 0.02 * i, 2) for i in range(16))  # 1.00, 0.98 ... 0.70
+REFIT_STEPS = 3
+
+
+def search_group_grid(w: torch.Tensor, clip_search: bool = True):
+    """Per group (last dim of ``w [..., G]``): (integers, float16 scale, float16 min), each
+    ``[..., 1]`` but the integers, chosen as described in ``quantize_rtn``."""
+    wmin = w.amin(dim=-1, keepdim=True)
+    wmax = w.amax(dim=-1, keepdim=True)
+    best = _Candidate(w, wmin, wmax)
+    if not clip_search:
+        return best.q, best.scales, best.mins
+    for ratio in CLIP_RATIOS[1:]:
+        best.keep_better(_Candidate(w, wmin * ratio, wmax * ratio))
+    lo, hi = best.mins.float(), best.mins.float() + 15 * best.scales.float()
+    for ratio in CLIP_RATIOS[1:]:
+        best.keep_better(_Candidate(w, wmin * ratio, hi))
+    lo = best.mins.float()
+    for ratio in CLIP_RATIOS[1:]:
+        best.keep_better(_Candidate(w, lo, wmax * ratio))
+    for _ in range(REFIT_STEPS):
+        scale, low = _least_squares_grid(w, best.q)
+        best.keep_better(_Candidate(w, low, low + 15 * scale))
+    return best.q, best.scales, best.mins
+
+
+class _Candidate:
+    """A grid [lo, hi] per group, its integers and squared error (float16 scale/min)."""
+
+    def __init__(self, w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
+        self.q, self.scales, self.mins = _round_group(w, lo, hi)
+        self.err = (self.q * self.scales.float() + self.mins.float() - w).pow_(2).sum(-1, keepdim=True)
+
+    def keep_better(self, other: "_Candidate") -> None:
+        better = other.err < self.err
+        self.err = torch.where(better, other.err, self.err)
+        self.q = torch.where(better, other.q, self.q)
+        self.scales = torch.where(better, other.scales, self.scales)
+        self.mins = torch.where(better, other.mins, self.mins)
+
+
+def _least_squares_grid(w: torch.Tensor, q: torch.Tensor):
+    """(scale, min) minimising sum (q * scale + min - w)^2 per group for fixed integers q."""
+    q_mean = q.mean(-1, keepdim=True)
+    w_mean = w.mean(-1, keepdim=True)
+    dq = q - q_mean
+    var = dq.pow(2).sum(-1, keepdim=True)
+    scale = torch.where(var > 0, (dq * (w - w_mean)).sum(-1, keepdim=True) / var.clamp(min=1e-12),
+                        torch.zeros_like(var)).clamp(min=0)
+    return scale, w_mean - scale * q_mean
 
 
 def _round_group(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor):
-    scales = ((hi - lo) / 15).to(torch.float16)
+    scales = ((hi - lo) / 15).clamp(min=0).to(torch.float16)
     mins = lo.to(torch.float16)
     s32 = scales.to(torch.float32)
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))

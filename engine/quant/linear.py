@@ -21,6 +21,7 @@ from engine.quant.cache import active_cache
 from engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS, QuantConfig
 from engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from engine.quant.format import Int4Weight, fitting_group_size, quantize_rtn
+from engine.quant.gptq import quantize_awq_gptq, quantize_gptq
 from engine.quant.gguf_import import DIRECT_IMPORT_TYPES, int4_from_gguf_blocks
 
 
@@ -128,7 +129,8 @@ class Int4Linear(nn.Module):
 
 def int4_weight_for(source, config: QuantConfig, activation_stats=None):
     """(INT4 weight, AWQ input scale or None) of a (possibly fused) projection: GGUF Q4_0/Q4_1
-    blocks imported as they are, anything else quantized from its float32 values (RTN or AWQ)."""
+    blocks imported as they are, anything else quantized from its float32 values (RTN, AWQ,
+    GPTQ or both)."""
     blocks = source.gguf_blocks() if config.import_gguf_blocks else None
     if blocks is not None and all(GGMLQuantizationType(b.qtype) in DIRECT_IMPORT_TYPES for b in blocks):
         parts = [int4_from_gguf_blocks(b.raw, GGMLQuantizationType(b.qtype), b.out_features,
@@ -137,9 +139,14 @@ def int4_weight_for(source, config: QuantConfig, activation_stats=None):
         return Int4Weight.cat_rows(parts), None
     dense = torch.cat([source.tensor(f"{part}.weight").to(torch.float32) for part in source.parts])
     group = fitting_group_size(dense.shape[1], config.group_size)
-    if config.method == "awq":
+    if config.needs_calibration:
         if activation_stats is None or source.name not in activation_stats:
-            raise ValueError(f"{source.name}: method='awq' but no calibration activations for this layer")
+            raise ValueError(f"{source.name}: method={config.method!r} but no calibration activations "
+                             f"for this layer")
+        if config.method == "gptq":
+            return quantize_gptq(dense, activation_stats[source.name], group), None
+        if config.method == "awq-gptq":
+            return quantize_awq_gptq(dense, activation_stats[source.name], group)
         weight, input_scale, _ = quantize_awq(dense, activation_stats[source.name], group)
         return weight, input_scale
     return quantize_rtn(dense, group), None
@@ -153,10 +160,10 @@ def build_int4_linear(source, config: QuantConfig) -> Int4Linear:
         weight, input_scale = cached
     else:
         stats = None
-        if config.method == "awq":
+        if config.needs_calibration:
             if cache is None:
-                raise ValueError("method='awq' needs calibration activations: load the model through "
-                                 "engine.loader.load_model")
+                raise ValueError(f"method={config.method!r} needs calibration activations: load the model "
+                                 "through engine.loader.load_model")
             stats = cache.activation_stats()
         weight, input_scale = int4_weight_for(source, config, stats)
         if cache is not None:
