@@ -57,7 +57,8 @@ class ModelRunner:
         self.decode_bucket = max(1, decode_bucket)
         self.shared_prefix_attention = shared_prefix_attention
         self.cpu_kernel = cpu_kernel and self.attention_backend == "torch" and self.device.type == "cpu" and \
-            _cpu_kernel_supports(self.dtype, self.config.num_heads, self.config.head_dim, block_size)
+            _cpu_kernel_supports(self.dtype, self.config.num_heads, self.config.num_kv_heads,
+                                 self.config.head_dim, block_size)
         shape = (num_kv_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -254,6 +255,7 @@ class ModelRunner:
             raise ValueError(f"{where}: token ids {bad_tokens[:5]} outside the vocabulary of {self.config.vocab_size}")
 
 
-def _cpu_kernel_supports(dtype: torch.dtype, num_heads: int, head_dim: int, block_size: int) -> bool:
+def _cpu_kernel_supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                         block_size: int) -> bool:
     from engine import cpu_attention
-    return cpu_attention.supports(dtype, num_heads, head_dim, block_size)
+    return cpu_attention.supports(dtype, num_heads, num_kv_heads, head_dim, block_size)

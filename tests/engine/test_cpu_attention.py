@@ -26,7 +26,7 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16)])
 def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size):
-    if cpu_attention.load() is None:
+    if cpu_attention.load(heads // kv_heads, dim) is None:
         pytest.skip("no C compiler here: the runner uses the torch path")
     rng = random.Random(heads)
     num_blocks = 96
@@ -52,7 +52,7 @@ def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size):
 
 
 def test_supports_only_float32_and_its_buffers():
-    assert not cpu_attention.supports(torch.bfloat16, 9, 64, 16)
-    assert not cpu_attention.supports(torch.float32, cpu_attention.MAX_HEADS + 1, 64, 16)
-    assert not cpu_attention.supports(torch.float32, 9, cpu_attention.MAX_HEAD_DIM + 1, 16)
-    assert not cpu_attention.supports(torch.float32, 9, 64, cpu_attention.MAX_BLOCK + 1)
+    assert not cpu_attention.supports(torch.bfloat16, 9, 3, 64, 16)
+    assert not cpu_attention.supports(torch.float32, cpu_attention.MAX_GROUP + 1, 1, 64, 16)
+    assert not cpu_attention.supports(torch.float32, 9, 3, cpu_attention.MAX_HEAD_DIM + 1, 16)
+    assert not cpu_attention.supports(torch.float32, 9, 3, 64, cpu_attention.MAX_BLOCK + 1)
