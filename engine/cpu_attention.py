@@ -34,6 +34,7 @@ import torch
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* GQ (query heads per KV head) and HD (head dim) are compile-time constants (-D), so the
@@ -42,60 +43,59 @@ SOURCE = r"""
 
 /* q, out [n, KVH * GQ, HD]; k_cache, v_cache [blocks, bs, KVH, HD]; tables [n, tw] (block ids
    of each row's sequence); lens [n]: row i attends to positions 0 .. lens[i]-1. Work item =
-   (row, KV head), block by block with an online softmax: each K/V vector is read once per item. */
+   (row, KV head): all scores first (K read once), one exp pass over them, then V (read once). */
 void paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                          const int32_t *tables, int64_t tw, const int32_t *lens, float *out,
                          int64_t n, int64_t KVH, int64_t bs, float scale) {
     const int64_t H = KVH * GQ, row = KVH * HD;
-    #pragma omp parallel for schedule(dynamic, 4)
-    for (int64_t w = 0; w < n * KVH; w++) {
-        const int64_t i = w / KVH, h = w % KVH;
-        float qs[GQ][HD], acc[GQ][HD], s[GQ][MAX_BLOCK], m[GQ], l[GQ];
-        const int64_t L = lens[i];
-        const int32_t *tab = tables + i * tw;
-        const float *qi = q + (i * H + h * GQ) * HD;
-        for (int g = 0; g < GQ; g++) {
-            m[g] = -3.0e38f; l[g] = 0.f;
-            for (int d = 0; d < HD; d++) { qs[g][d] = qi[g * HD + d] * scale; acc[g][d] = 0.f; }
-        }
-        for (int64_t start = 0; start < L; start += bs) {
-            const int64_t nt = L - start < bs ? L - start : bs;
-            const int64_t base = (int64_t)tab[start / bs] * bs * row + h * HD;
-            const float *kb = k_cache + base, *vb = v_cache + base;
-            for (int64_t t = 0; t < nt; t++) {
-                const float *kp = kb + t * row;
+    int64_t max_len = 1;
+    for (int64_t i = 0; i < n; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
+    #pragma omp parallel
+    {
+        float *scores = (float *)malloc(sizeof(float) * GQ * max_len);
+        #pragma omp for schedule(dynamic, 4)
+        for (int64_t w = 0; w < n * KVH; w++) {
+            const int64_t i = w / KVH, h = w % KVH;
+            float qs[GQ][HD], acc[GQ][HD], m[GQ], l[GQ];
+            const int64_t L = lens[i];
+            const int32_t *tab = tables + i * tw;
+            const float *qi = q + (i * H + h * GQ) * HD;
+            for (int g = 0; g < GQ; g++) {
+                m[g] = -3.0e38f;
+                for (int d = 0; d < HD; d++) { qs[g][d] = qi[g * HD + d] * scale; acc[g][d] = 0.f; }
+            }
+            for (int64_t t = 0; t < L; t++) {
+                const float *kp = k_cache + ((int64_t)tab[t / bs] * bs + t % bs) * row + h * HD;
                 for (int g = 0; g < GQ; g++) {
                     float dot = 0.f;
                     #pragma omp simd reduction(+:dot)
                     for (int d = 0; d < HD; d++) dot += qs[g][d] * kp[d];
-                    s[g][t] = dot;
+                    scores[g * L + t] = dot;
+                    m[g] = dot > m[g] ? dot : m[g];
                 }
             }
             for (int g = 0; g < GQ; g++) {
-                float bm = m[g];
-                for (int64_t t = 0; t < nt; t++) bm = s[g][t] > bm ? s[g][t] : bm;
-                const float corr = expf(m[g] - bm);
-                float total = 0.f;
+                float *sg = scores + g * L, total = 0.f;
+                const float mg = m[g];
                 #pragma omp simd reduction(+:total)
-                for (int64_t t = 0; t < nt; t++) { s[g][t] = expf(s[g][t] - bm); total += s[g][t]; }
-                l[g] = l[g] * corr + total;
-                m[g] = bm;
-                for (int d = 0; d < HD; d++) acc[g][d] *= corr;
+                for (int64_t t = 0; t < L; t++) { sg[t] = expf(sg[t] - mg); total += sg[t]; }
+                l[g] = total;
             }
-            for (int64_t t = 0; t < nt; t++) {
-                const float *vp = vb + t * row;
+            for (int64_t t = 0; t < L; t++) {
+                const float *vp = v_cache + ((int64_t)tab[t / bs] * bs + t % bs) * row + h * HD;
                 for (int g = 0; g < GQ; g++) {
-                    const float p = s[g][t];
+                    const float p = scores[g * L + t];
                     #pragma omp simd
                     for (int d = 0; d < HD; d++) acc[g][d] += p * vp[d];
                 }
             }
+            for (int g = 0; g < GQ; g++) {
+                const float inv = 1.f / l[g];
+                float *o = out + (i * H + h * GQ + g) * HD;
+                for (int d = 0; d < HD; d++) o[d] = acc[g][d] * inv;
+            }
         }
-        for (int g = 0; g < GQ; g++) {
-            const float inv = 1.f / l[g];
-            float *o = out + (i * H + h * GQ + g) * HD;
-            for (int d = 0; d < HD; d++) o[d] = acc[g][d] * inv;
-        }
+        free(scores);
     }
 }
 """
