@@ -5,8 +5,9 @@ The torch path (engine/attention.py) has to gather every sequence's K/V out of t
 were ~40% of a float32 decode step. This kernel walks each query row's block table instead:
 one pass over the row's positions computes the scores of the query heads of one KV head, a
 second accumulates V with the softmax weights. Rows are independent (OpenMP over rows x KV
-heads), so decode rows and short prefill chunks go through the same call: a query row at
-position p attends to positions 0..p of its sequence (its own K/V are stored before the call).
+heads); a query row attends to positions 0..lens-1 of its sequence (its own K/V are stored
+before the call). The runner sends decode rows only: a prefill chunk's rows would each re-read
+the whole context, where SDPA over the gathered context reads it once for all of them.
 
 Built on first use per (query heads per KV head, head dim) with the system C compiler
 (`cc -O3 -march=native -fopenmp`, the two as constants so the inner loops unroll), cached on
@@ -39,7 +40,6 @@ SOURCE = r"""
 
 /* GQ (query heads per KV head) and HD (head dim) are compile-time constants (-D), so the
    loops over them unroll and one (row, KV head)'s accumulators stay in registers. */
-#define MAX_BLOCK 64
 
 /* q, out [n, KVH * GQ, HD]; k_cache, v_cache [blocks, bs, KVH, HD]; tables [n, tw] (block ids
    of each row's sequence); lens [n]: row i attends to positions 0 .. lens[i]-1. Work item =
@@ -99,7 +99,7 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
     }
 }
 """
-MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64      # the kernel's fixed buffers
+MAX_GROUP, MAX_HEAD_DIM = 16, 256      # qs/acc live on the stack: GQ * HD floats each
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
 
 _lock = threading.Lock()
@@ -159,7 +159,7 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
     """Whether the kernel can run this shape (and builds)."""
     group = num_heads // num_kv_heads
     return (dtype == torch.float32 and group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
-            and block_size <= MAX_BLOCK and load(group, head_dim) is not None)
+            and block_size >= 1 and load(group, head_dim) is not None)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,

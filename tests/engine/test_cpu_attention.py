@@ -55,4 +55,3 @@ def test_supports_only_float32_and_its_buffers():
     assert not cpu_attention.supports(torch.bfloat16, 9, 3, 64, 16)
     assert not cpu_attention.supports(torch.float32, cpu_attention.MAX_GROUP + 1, 1, 64, 16)
     assert not cpu_attention.supports(torch.float32, 9, 3, cpu_attention.MAX_HEAD_DIM + 1, 16)
-    assert not cpu_attention.supports(torch.float32, 9, 3, 64, cpu_attention.MAX_BLOCK + 1)
