@@ -4,7 +4,8 @@ KV pool per layer: k_cache, v_cache `[num_blocks, block_size, kv_heads, head_dim
 position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`
 of the flattened pool. Attention only ever reads a sequence's valid positions (gathered by slot
 index) and never repeats K/V per query head: the query heads that share a KV head are folded
-into the query dimension instead. The Triton kernels of engine/kernels/ take over on CUDA: store_kv by
+into the query dimension instead. On CPU in float32, decode rows go through the C kernel of
+engine/cpu_attention.py when it is built (it reads the blocks in place). The Triton kernels of engine/kernels/ take over on CUDA: store_kv by
 device, attention when the runner sets `meta.paged` (ModelRunner attention_backend="triton").
 
 Decode batches whose sequences share leading KV blocks (a common system prompt, via the prefix
@@ -56,8 +57,18 @@ class DecodeBatch:
 
 
 @dataclass
+class KernelDecodeRows:
+    """Decode rows [0, num_rows) of the flat batch for the CPU kernel (engine/cpu_attention.py)."""
+    num_rows: int
+    block_tables: torch.Tensor              # [num_rows, width] int32, zero-padded
+    context_lens: torch.Tensor              # [num_rows] int32, the new token included
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor              # [T] where each new token's K/V is written
+    # set when decode rows go through the CPU kernel; `decode` is then empty
+    kernel_decode: Optional[KernelDecodeRows] = None
     decode: list[DecodeBatch] = field(default_factory=list)     # rows first in the batch, in order
     prefills: list[PrefillSpan] = field(default_factory=list)   # then these, in row order
     # set when this step runs on the Triton kernels (engine/kernels/paged.py); decode/prefills unused then
@@ -180,6 +191,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         from engine.kernels.paged import paged_kernel_attention
         return paged_kernel_attention(q, k_cache, v_cache, meta.paged, scale)
     outputs = [decode_attention(q[b.row_start:b.row_end], k_cache, v_cache, b, scale) for b in meta.decode]
+    rows = meta.kernel_decode
+    if rows is not None and rows.num_rows:
+        from engine import cpu_attention
+        outputs.append(cpu_attention.paged_attention(q[:rows.num_rows], k_cache, v_cache, rows.block_tables,
+                                                     rows.context_lens, scale))
     outputs += [prefill_attention(q[s.row_start:s.row_end], k[s.row_start:s.row_end], v[s.row_start:s.row_end],
                                   k_cache, v_cache, s, scale) for s in meta.prefills]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

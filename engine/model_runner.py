@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
-from engine.attention import AttentionMetadata, DecodeBatch, DecodeGroup, PrefillSpan
+from engine.attention import AttentionMetadata, DecodeBatch, DecodeGroup, KernelDecodeRows, PrefillSpan
 from engine.config import ModelConfig
 
 
@@ -34,10 +34,13 @@ class ModelRunner:
     this many tokens share one masked attention call (1 = only exactly equal lengths share;
     larger buckets trade a little masked-out work for fewer per-op calls).
     shared_prefix_attention: decode sequences that share leading KV blocks (prefix-cache hits on a
-    common system prompt) attend to those blocks once for all of them (cascade attention)."""
+    common system prompt) attend to those blocks once for all of them (cascade attention).
+    cpu_kernel: on CPU in float32, decode rows use the C paged-attention kernel
+    (engine/cpu_attention.py) instead of gathered K/V, when it builds; decode_bucket and
+    shared_prefix_attention then only concern the torch path it falls back to."""
 
     def __init__(self, model, num_kv_blocks: int, block_size: int = 16, decode_bucket: int = 64,
-                 shared_prefix_attention: bool = True, attention_backend: str = "auto"):
+                 shared_prefix_attention: bool = True, attention_backend: str = "auto", cpu_kernel: bool = True):
         if num_kv_blocks < 1 or block_size < 1:
             raise ValueError(f"num_kv_blocks ({num_kv_blocks}) and block_size ({block_size}) must be >= 1")
         if attention_backend not in ("auto", "torch", "triton"):
@@ -53,6 +56,9 @@ class ModelRunner:
         self.block_size = block_size
         self.decode_bucket = max(1, decode_bucket)
         self.shared_prefix_attention = shared_prefix_attention
+        self.cpu_kernel = cpu_kernel and self.attention_backend == "torch" and self.device.type == "cpu" and \
+            _cpu_kernel_supports(self.dtype, self.config.num_heads, self.config.num_kv_heads,
+                                 self.config.head_dim, block_size)
         shape = (num_kv_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -74,6 +80,8 @@ class ModelRunner:
         for index, item in enumerate(items):
             self._check(index, item)
         families = self._decode_families(items)
+        if self.cpu_kernel:  # one kernel call for every decode row: no grouping needed
+            families = [[i for family in families for i in family]] if families else []
         decode = [i for family in families for i in family]
         decode_set = set(decode)
         prefill = [i for i in range(len(items)) if i not in decode_set]
@@ -109,6 +117,15 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long))
         slot_parts = []
         row = 0
+        if self.cpu_kernel:
+            decode = families[0] if families else []
+            tables = self._block_tables([items[i].block_table for i in decode]) if decode else \
+                torch.zeros(0, 1, dtype=torch.long)
+            positions = torch.tensor([items[i].start_pos for i in decode], dtype=torch.long)
+            slot_parts.append(self._slots(tables, positions[:, None]).view(-1))
+            meta.kernel_decode = KernelDecodeRows(len(decode), tables.to(torch.int32), (positions + 1).to(torch.int32))
+            row = len(decode)
+            families = []
         for family in families:
             batch, new_slots = self._decode_batch(items, family, row)
             meta.decode.append(batch)
@@ -236,3 +253,9 @@ class ModelRunner:
         bad_tokens = [t for t in item.token_ids if not 0 <= t < self.config.vocab_size]
         if bad_tokens:
             raise ValueError(f"{where}: token ids {bad_tokens[:5]} outside the vocabulary of {self.config.vocab_size}")
+
+
+def _cpu_kernel_supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                         block_size: int) -> bool:
+    from engine import cpu_attention
+    return cpu_attention.supports(dtype, num_heads, num_kv_heads, head_dim, block_size)

@@ -87,13 +87,22 @@ def run_schedule(runner, sequences, tables, chunk_sizes):
     return results
 
 
+def kernel_runner(cpu_kernel: bool, *args, **kwargs) -> ModelRunner:
+    """A runner with the CPU paged-attention kernel (engine/cpu_attention.py) on or off."""
+    runner = ModelRunner(*args, cpu_kernel=cpu_kernel, **kwargs)
+    if cpu_kernel and not runner.cpu_kernel:
+        pytest.skip("the CPU attention kernel does not build here")
+    return runner
+
+
+@pytest.mark.parametrize("cpu_kernel", [False, True])
 @pytest.mark.parametrize("chunk_sizes, decode_bucket", [
     ([5, 7, 64, 3, 11], 1),        # exact-length decode groups
     ([1, 16, 9, 32, 13], 64),      # masked (padded) decode groups; 1-token chunks
     ([64, 64, 64, 64, 64], 64),    # whole prompts in one step
 ])
-def test_logits_match_transformers(fp32_model, sequences, reference_logits, chunk_sizes, decode_bucket):
-    runner = ModelRunner(fp32_model, num_kv_blocks=64, block_size=BLOCK_SIZE, decode_bucket=decode_bucket)
+def test_logits_match_transformers(fp32_model, sequences, reference_logits, chunk_sizes, decode_bucket, cpu_kernel):
+    runner = kernel_runner(cpu_kernel, fp32_model, num_kv_blocks=64, block_size=BLOCK_SIZE, decode_bucket=decode_bucket)
     tables = scattered_block_tables(sequences, 64)
     results = run_schedule(runner, sequences, tables, chunk_sizes)
     assert len(results) >= len(sequences) * (DECODE_STEPS + 1)
@@ -167,22 +176,23 @@ def shared_prefix_sequences(hf_tokenizer):
             for t in turns], len(system)
 
 
-@pytest.mark.parametrize("leaders, shared_prefix_attention", [
-    ((0,), True),        # one family: all four share the prefix blocks
-    ((0,), False),       # same, plain attention
-    ((0, 2), True),      # two families, each with its own copy of the prefix
-    ((0, 2, 3), True),   # one family plus two sequences with their own blocks
+@pytest.mark.parametrize("leaders, shared_prefix_attention, cpu_kernel", [
+    ((0,), True, False),        # one family: all four share the prefix blocks
+    ((0,), False, False),       # same, plain attention
+    ((0, 2), True, False),      # two families, each with its own copy of the prefix
+    ((0, 2, 3), True, False),   # one family plus two sequences with their own blocks
+    ((0, 2, 3), True, True),    # the CPU kernel reads shared blocks in place
 ])
 def test_shared_prefix_blocks_match_transformers(fp32_model, hf_reference_model, shared_prefix_sequences,
-                                                 leaders, shared_prefix_attention):
+                                                 leaders, shared_prefix_attention, cpu_kernel):
     """Leaders prefill their whole prompt; every other sequence reuses the full prefix blocks of the
     leader before it (as the prefix cache does) and prefills only the rest; then all decode together.
     The cascade path (prefix read once per family) and the plain path both match transformers."""
     sequences, system_len = shared_prefix_sequences
     with torch.inference_mode():
         reference = [hf_reference_model(torch.tensor([s])).logits[0] for s in sequences]
-    runner = ModelRunner(fp32_model, num_kv_blocks=64, block_size=BLOCK_SIZE, decode_bucket=8,
-                         shared_prefix_attention=shared_prefix_attention)
+    runner = kernel_runner(cpu_kernel, fp32_model, num_kv_blocks=64, block_size=BLOCK_SIZE, decode_bucket=8,
+                           shared_prefix_attention=shared_prefix_attention)
     shared_blocks = system_len // BLOCK_SIZE
     assert shared_blocks >= 2
     fresh = iter(range(64))

@@ -1,0 +1,57 @@
+"""The CPU paged-attention kernel (engine/cpu_attention.py) against plain softmax attention."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import cpu_attention
+
+
+def reference(q, k_cache, v_cache, tables, lens, scale):
+    """Each row: gather its positions' K/V by block table, repeat K/V per query head, softmax."""
+    _, block_size, kv_heads, dim = k_cache.shape
+    heads = q.shape[1]
+    out = []
+    for i, length in enumerate(lens.tolist()):
+        pos = torch.arange(length)
+        slots = tables[i].long()[pos // block_size] * block_size + pos % block_size
+        keys = k_cache.reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
+        values = v_cache.reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
+        weights = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), keys.double()) * scale, dim=-1)
+        out.append(torch.einsum("ht,thd->hd", weights, values.double()))
+    return torch.stack(out).float()
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16)])
+def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size):
+    if cpu_attention.load(heads // kv_heads, dim) is None:
+        pytest.skip("no C compiler here: the runner uses the torch path")
+    rng = random.Random(heads)
+    num_blocks = 96
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    lens = [1, block_size, block_size + 1, 3 * block_size - 1, 70, 5]
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    width = max(-(-n // block_size) for n in lens)
+    tables = torch.zeros(len(lens), width, dtype=torch.int32)
+    for i, n in enumerate(lens):   # rows 0 and 5 share their first block, as prefix-cache hits do
+        blocks = -(-n // block_size)
+        own = [ids.pop() for _ in range(blocks)]
+        if i == 5:
+            own[0] = int(tables[0, 0])
+        tables[i, :blocks] = torch.tensor(own)
+    q = torch.randn(len(lens), heads, dim) * 3   # sharp softmaxes too
+    lengths = torch.tensor(lens, dtype=torch.int32)
+    out = cpu_attention.paged_attention(q, k_cache, v_cache, tables, lengths, dim ** -0.5)
+    expected = reference(q, k_cache, v_cache, tables, lengths, dim ** -0.5)
+    assert out.shape == q.shape
+    assert (out - expected).abs().max().item() < 1e-4
+
+
+def test_supports_only_float32_and_its_buffers():
+    assert not cpu_attention.supports(torch.bfloat16, 9, 3, 64, 16)
+    assert not cpu_attention.supports(torch.float32, cpu_attention.MAX_GROUP + 1, 1, 64, 16)
+    assert not cpu_attention.supports(torch.float32, 9, 3, cpu_attention.MAX_HEAD_DIM + 1, 16)
