@@ -17,6 +17,7 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from engine.block_manager import BlockManager
+from engine.cpu_features import cpu_has_native_bf16
 from engine.model_runner import ModelRunner, StepItem, kv_bytes_per_block
 from engine.sampler import sample
 from engine.scheduler import ScheduledSeq, Scheduler
@@ -344,11 +345,8 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 
 def resolve_dtype(dtype, device: str) -> torch.dtype:
-    """None picks the measured default: bfloat16 on CUDA and on CPUs with AMX bf16 tiles
-    (amx_bf16), float32 elsewhere. On the AVX2-only dev box a bf16 linear ran 5-10x slower than
-    float32 (oneDNN has no bf16 kernels there); on an AVX-512 box with avx512_bf16 but no AMX,
-    the model's linear layers at 256 rows ran 1.7x slower in bf16 (3.40 vs 1.99 ms per token,
-    one thread), so float32 it is there too."""
+    """None picks the measured default: bfloat16 on CUDA and on CPUs with AMX bf16 tiles, float32
+    on other CPUs, where bf16 linears measured 1.7-10x slower (engine/cpu_features.py)."""
     if dtype is None:
         if device.startswith("cuda") or cpu_has_native_bf16():
             return torch.bfloat16
@@ -358,18 +356,6 @@ def resolve_dtype(dtype, device: str) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-def cpu_has_native_bf16() -> bool:
-    """AMX bf16 tiles: the only CPU bf16 matmuls measured faster than float32 (see resolve_dtype)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return "amx_bf16" in line.split(":", 1)[1].split()
-    except OSError:
-        pass
-    return False
 
 
 def resolve_quantization(quantization: str):

@@ -40,7 +40,7 @@ class Settings(BaseSettings):
     served_model_name: str = "SmolLM2-135M-Instruct"  # name in responses; also accepted as body.model
     quantization: Literal["none", "int4"] = "int4"      # the engine's default; GGUF Q4 blocks import exactly
     device: str = "auto"
-    engine_max_num_seqs: int = 64
+    engine_max_num_seqs: int = 256               # the engine default: measured fastest per token on CPU
     engine_max_num_batched_tokens: int = 2048
     engine_num_kv_blocks: Optional[int] = None
     default_chat_max_tokens: int = 256           # chat body without max_tokens (clamped to the context)

@@ -16,6 +16,7 @@ from torch import nn
 
 from gguf import GGMLQuantizationType
 
+from engine.cpu_features import cpu_has_native_bf16
 from engine.quant.awq import quantize_awq
 from engine.quant.cache import active_cache
 from engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS, QuantConfig
@@ -25,21 +26,11 @@ from engine.quant.gptq import quantize_awq_gptq, quantize_gptq
 from engine.quant.gguf_import import DIRECT_IMPORT_TYPES, int4_from_gguf_blocks
 
 
-def _cpu_has_native_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-CPU_HAS_NATIVE_BF16 = _cpu_has_native_bf16()
-
-
 def dense_compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Without AVX512-BF16/AMX a bfloat16 CPU matmul is emulated: measured 5.5x slower than
-    float32 at 64 rows on the AVX2 dev machine, so the large-step path computes in float32 there."""
-    if dtype == torch.bfloat16 and not CPU_HAS_NATIVE_BF16:
+    """Without AMX a bfloat16 CPU matmul is slower than float32 (5.5x at 64 rows on the AVX2 dev
+    machine, 1.7x with avx512_bf16; engine/cpu_features.py), so the large-step path computes in
+    float32 there."""
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
         return torch.float32
     return dtype
 
