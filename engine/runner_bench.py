@@ -2,7 +2,10 @@
 
 Decode: B sequences with one new token each, contexts of random length in [--min-len, --max-len],
 all sharing --shared-blocks leading KV blocks (a common system prompt, as prefix-cache hits give);
-timed with cascade (shared-prefix) attention on and off and for several decode buckets.
+timed on the CPU attention kernel (engine/cpu_attention.py, when it builds) and on the torch path
+with cascade (shared-prefix) attention on and off for several decode buckets. Next to them, the
+"matmul floor": the same step's linear layers and lm_head alone on random activations, the part of
+a step no attention or scheduling change can remove.
 Prefill: one chunk of --chunk tokens over a cached prefix. Also times the load of the model.
 """
 from __future__ import annotations
@@ -40,6 +43,27 @@ def time_step(runner: ModelRunner, items, repeats: int) -> float:
     return best
 
 
+@torch.inference_mode()
+def matmul_floor(model, rows: int, repeats: int) -> float:
+    """Seconds of one step's matmuls alone: every linear layer, then the lm_head, on `rows` rows."""
+    linears = [m for m in model.modules() if hasattr(m, "in_features") and not list(m.children())]
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
+    hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype)
+
+    def step():
+        for m in linears:
+            m(inputs[m.in_features])
+        if model.lm_head is None:
+            torch.nn.functional.linear(hidden, model.embed_tokens)
+    step()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -62,12 +86,20 @@ def main(argv=None) -> None:
           f"cpu {torch.backends.cpu.get_cpu_capability()})")
     for batch in args.batch:
         items, blocks = decode_items(batch, args.min_len, args.max_len, args.shared_blocks, block_size)
+        seconds = matmul_floor(model, batch, args.repeats)
+        print(f"decode B={batch:3d} matmul floor (linears + lm_head only):      {seconds * 1000:8.1f} ms/step  "
+              f"{batch / seconds:7.1f} tok/s")
+        runner = ModelRunner(model, blocks + 1, block_size)
+        if runner.cpu_kernel:
+            seconds = time_step(runner, items, args.repeats)
+            print(f"decode B={batch:3d} ctx {args.min_len}-{args.max_len} cpu attention kernel:     "
+                  f"{seconds * 1000:8.1f} ms/step  {batch / seconds:7.1f} tok/s")
         for cascade in (True, False):
             for bucket in args.buckets:
                 runner = ModelRunner(model, blocks + 1, block_size, decode_bucket=bucket,
-                                     shared_prefix_attention=cascade)
+                                     shared_prefix_attention=cascade, cpu_kernel=False)
                 seconds = time_step(runner, items, args.repeats)
-                print(f"decode B={batch:3d} ctx {args.min_len}-{args.max_len} cascade={'on ' if cascade else 'off'} "
+                print(f"decode B={batch:3d} ctx {args.min_len}-{args.max_len} torch cascade={'on ' if cascade else 'off'} "
                       f"bucket={bucket:6d}: {seconds * 1000:8.1f} ms/step  {batch / seconds:7.1f} tok/s")
             if batch == 1:
                 break

@@ -71,6 +71,10 @@ class DenseLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 

@@ -1,0 +1,32 @@
+"""`python -m engine.runner_bench`: the matmul floor and the step times it prints."""
+import re
+
+import torch
+
+from engine.runner_bench import main, matmul_floor
+
+
+def test_matmul_floor_times_every_linear_and_the_lm_head(fp32_model):
+    calls = []
+    handles = [m.register_forward_hook(lambda m, i, o: calls.append(m.in_features))
+               for m in fp32_model.modules() if hasattr(m, "in_features") and not list(m.children())]
+    try:
+        seconds = matmul_floor(fp32_model, rows=4, repeats=1)
+    finally:
+        for h in handles:
+            h.remove()
+    layers = fp32_model.config.num_layers
+    assert seconds > 0
+    assert len(calls) == 2 * 4 * layers   # warm-up + one timed step; qkv, o, gate_up, down per layer
+
+
+def test_prints_floor_kernel_and_torch_paths(capsys):
+    torch_threads = torch.get_num_threads()
+    main(["--batch", "2", "--repeats", "1", "--buckets", "64", "--chunk", "16", "--threads", "1",
+          "--min-len", "40", "--max-len", "60", "--shared-blocks", "2"])
+    torch.set_num_threads(torch_threads)
+    out = capsys.readouterr().out
+    assert re.search(r"decode B=  2 matmul floor .* ms/step", out)
+    assert re.search(r"decode B=  2 ctx 40-60 torch cascade=on  bucket=    64: .* tok/s", out)
+    assert re.search(r"decode B=  2 ctx 40-60 torch cascade=off bucket=    64: .* tok/s", out)
+    assert "prefill chunk of 16 over 32 cached" in out
