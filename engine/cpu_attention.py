@@ -32,6 +32,8 @@ from typing import Optional
 
 import torch
 
+from engine.cpu_features import cpu_flags
+
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
@@ -139,7 +141,7 @@ def load(group: int = 3, head_dim: int = 64) -> Optional[ctypes.CDLL]:
         if os.environ.get("NIGHTSHIFT_CPU_ATTENTION", "1") == "0":
             return None
         flags = [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}"]
-        key = hashlib.sha256("\0".join([SOURCE, *flags, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([SOURCE, *flags, platform.machine(), *sorted(cpu_flags())]).encode()).hexdigest()[:16]
         target = cache_dir() / f"paged_attention-g{group}-d{head_dim}-{key}.so"
         try:
             if not target.exists():
@@ -155,11 +157,11 @@ def load(group: int = 3, head_dim: int = 64) -> Optional[ctypes.CDLL]:
         return _libs[shape]
 
 
-def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel can run this shape (and builds)."""
+def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel can run this shape (and builds); any block size works."""
     group = num_heads // num_kv_heads
     return (dtype == torch.float32 and group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
-            and block_size >= 1 and load(group, head_dim) is not None)
+            and load(group, head_dim) is not None)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -178,13 +180,3 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                             tables.shape[1], lens.data_ptr(), out.data_ptr(), n, kv_heads, block_size, scale)
     return out
 
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return line
-    except OSError:
-        pass
-    return ""

@@ -176,8 +176,8 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
     checkpoint = load_checkpoint(model, cache_dir)
     if quant_config is None:
         return build_model(checkpoint, dtype=dtype or torch.float32, device=device, quant_config=None)
-    from engine.quant.awq import checkpoint_calibrator  # INT4 layers cached on disk (issue 3)
-    from engine.quant.cache import quantized_checkpoint_cache
+    from engine.quant.cache import quantized_checkpoint_cache  # INT4 layers cached on disk (issue 3)
+    from engine.quant.calibration import checkpoint_calibrator
     with quantized_checkpoint_cache(cache_root(cache_dir), source_fingerprint(resolve_model(model)), quant_config,
                                     calibrate=checkpoint_calibrator(checkpoint, model, cache_dir)):
         return build_model(checkpoint, dtype=dtype or torch.float32, device=device, quant_config=quant_config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import torch
 
+from engine import cpu_attention
 from engine.attention import AttentionMetadata, DecodeBatch, DecodeGroup, KernelDecodeRows, PrefillSpan
 from engine.config import ModelConfig
 
@@ -57,8 +58,7 @@ class ModelRunner:
         self.decode_bucket = max(1, decode_bucket)
         self.shared_prefix_attention = shared_prefix_attention
         self.cpu_kernel = cpu_kernel and self.attention_backend == "torch" and self.device.type == "cpu" and \
-            _cpu_kernel_supports(self.dtype, self.config.num_heads, self.config.num_kv_heads,
-                                 self.config.head_dim, block_size)
+            cpu_attention.supports(self.dtype, self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
         shape = (num_kv_blocks, block_size, self.config.num_kv_heads, self.config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -79,9 +79,10 @@ class ModelRunner:
             raise ValueError("execute() needs at least one StepItem")
         for index, item in enumerate(items):
             self._check(index, item)
-        families = self._decode_families(items)
-        if self.cpu_kernel:  # one kernel call for every decode row: no grouping needed
-            families = [[i for family in families for i in family]] if families else []
+        if self.cpu_kernel:  # one kernel call takes every decode row: no families needed
+            families = [rows] if (rows := _decode_indices(items)) else []
+        else:
+            families = self._decode_families(items)
         decode = [i for family in families for i in family]
         decode_set = set(decode)
         prefill = [i for i in range(len(items)) if i not in decode_set]
@@ -118,19 +119,19 @@ class ModelRunner:
         slot_parts = []
         row = 0
         if self.cpu_kernel:
-            decode = families[0] if families else []
-            tables = self._block_tables([items[i].block_table for i in decode]) if decode else \
-                torch.zeros(0, 1, dtype=torch.long)
-            positions = torch.tensor([items[i].start_pos for i in decode], dtype=torch.long)
-            slot_parts.append(self._slots(tables, positions[:, None]).view(-1))
-            meta.kernel_decode = KernelDecodeRows(len(decode), tables.to(torch.int32), (positions + 1).to(torch.int32))
-            row = len(decode)
-            families = []
-        for family in families:
-            batch, new_slots = self._decode_batch(items, family, row)
-            meta.decode.append(batch)
-            slot_parts.append(new_slots)
-            row = batch.row_end
+            for decode in families:  # at most one: every decode row
+                tables = self._block_tables([items[i].block_table for i in decode])
+                positions = torch.tensor([items[i].start_pos for i in decode], dtype=torch.long)
+                slot_parts.append(self._slots(tables, positions[:, None]).view(-1))
+                meta.kernel_decode = KernelDecodeRows(len(decode), tables.to(torch.int32),
+                                                      (positions + 1).to(torch.int32))
+                row = len(decode)
+        else:
+            for family in families:
+                batch, new_slots = self._decode_batch(items, family, row)
+                meta.decode.append(batch)
+                slot_parts.append(new_slots)
+                row = batch.row_end
         for i in prefill:
             item = items[i]
             n, start = len(item.token_ids), item.start_pos
@@ -150,7 +151,7 @@ class ModelRunner:
         """Decode items (one new token, some context) grouped by their first KV block: sequences
         that share a cached prompt prefix share it. Singletons go together in one family; each
         family is sorted by context length."""
-        decode = [i for i, it in enumerate(items) if len(it.token_ids) == 1 and it.start_pos > 0]
+        decode = _decode_indices(items)
         if not self.shared_prefix_attention:
             families = [decode] if decode else []
         else:
@@ -255,7 +256,6 @@ class ModelRunner:
             raise ValueError(f"{where}: token ids {bad_tokens[:5]} outside the vocabulary of {self.config.vocab_size}")
 
 
-def _cpu_kernel_supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                         block_size: int) -> bool:
-    from engine import cpu_attention
-    return cpu_attention.supports(dtype, num_heads, num_kv_heads, head_dim, block_size)
+def _decode_indices(items: list[StepItem]) -> list[int]:
+    """Indices of the decode items: one new token after at least one cached one."""
+    return [i for i, it in enumerate(items) if len(it.token_ids) == 1 and it.start_pos > 0]

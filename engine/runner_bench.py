@@ -33,14 +33,19 @@ def decode_items(batch: int, min_len: int, max_len: int, shared_blocks: int, blo
     return items, next_block
 
 
-def time_step(runner: ModelRunner, items, repeats: int) -> float:
-    runner.execute(items)  # warm-up
+def best_of(run, repeats: int) -> float:
+    """Fastest of `repeats` timed calls of run(), after one warm-up call."""
+    run()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        runner.execute(items)
+        run()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def time_step(runner: ModelRunner, items, repeats: int) -> float:
+    return best_of(lambda: runner.execute(items), repeats)
 
 
 @torch.inference_mode()
@@ -55,13 +60,7 @@ def matmul_floor(model, rows: int, repeats: int) -> float:
             m(inputs[m.in_features])
         if model.lm_head is None:
             torch.nn.functional.linear(hidden, model.embed_tokens)
-    step()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return best_of(step, repeats)
 
 
 def main(argv=None) -> None:

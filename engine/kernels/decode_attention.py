@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.paged_tile import load_kv_tile, online_softmax_step
+from engine.kernels.paged_tile import check_paged_inputs, load_kv_tile, online_softmax_step
 
 
 @triton.jit
@@ -100,12 +100,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     None reads it from context_lens, a device sync). partition_size: context positions per program
     (split-KV); None chooses by batch size (choose_partition_size)."""
     batch, heads, head_dim = q.shape
-    _, page, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or heads % kv_heads:
-        raise ValueError(f"decode attention: q {tuple(q.shape)} does not fit a pool of "
-                         f"{kv_heads} KV heads x {cache_dim}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1:
-        raise ValueError("decode attention: the pool must be contiguous and q's last dim dense")
+    page, kv_heads = check_paged_inputs("decode attention", q, k_cache, v_cache)
     if partition_size is not None and partition_size % block_n:
         raise ValueError(f"partition_size {partition_size} must be a multiple of block_n {block_n}")
     if batch == 0:

@@ -36,15 +36,25 @@ class PagedKernelMetadata:
     max_prefill_len: int                 # longest chunk (new tokens)
 
 
-def _tables(chunks: Sequence[ScheduledChunk], block_size: int) -> torch.Tensor:
+def _tables(chunks: Sequence[ScheduledChunk], block_size: int, first_index: int = 0) -> torch.Tensor:
+    """Block tables `[len(chunks), width]` int32, zero-padded; errors name item first_index + i."""
     needed = [-(-(c.start_pos + len(c.token_ids)) // block_size) for c in chunks]
-    for index, (c, n) in enumerate(zip(chunks, needed)):
+    for index, (c, n) in enumerate(zip(chunks, needed), start=first_index):
         if len(c.block_table) < n:
             raise ValueError(f"build_paged_metadata: item {index} needs {n} blocks, its block_table has "
                              f"{len(c.block_table)}")
     width = max(needed, default=1)
     return torch.tensor([list(c.block_table[:n]) + [0] * (width - n) for c, n in zip(chunks, needed)],
                         dtype=torch.int32).reshape(len(chunks), width)
+
+
+def _new_token_slots(chunks: Sequence[ScheduledChunk], tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool slot of every new token of `chunks` (row order), from their block tables `[len(chunks), w]`."""
+    if not chunks:
+        return torch.empty(0, dtype=torch.long)
+    positions = torch.cat([torch.arange(c.start_pos, c.start_pos + len(c.token_ids)) for c in chunks])
+    rows = torch.cat([torch.full((len(c.token_ids),), i) for i, c in enumerate(chunks)])
+    return tables.long()[rows, positions // block_size] * block_size + positions % block_size
 
 
 def build_paged_metadata(chunks: Sequence[ScheduledChunk], num_decode: int, block_size: int,
@@ -54,10 +64,9 @@ def build_paged_metadata(chunks: Sequence[ScheduledChunk], num_decode: int, bloc
     decode, prefill = chunks[:num_decode], chunks[num_decode:]
     if any(len(c.token_ids) != 1 or c.start_pos < 1 for c in decode):
         raise ValueError("build_paged_metadata: decode items need exactly one new token after a cached one")
-    positions = torch.cat([torch.arange(c.start_pos, c.start_pos + len(c.token_ids)) for c in chunks])
-    rows = torch.cat([torch.full((len(c.token_ids),), i) for i, c in enumerate(chunks)])
-    tables = _tables(chunks, block_size).long()
-    slot_mapping = tables[rows, positions // block_size] * block_size + positions % block_size
+    decode_tables, prefill_tables = _tables(decode, block_size), _tables(prefill, block_size, num_decode)
+    slot_mapping = torch.cat([_new_token_slots(decode, decode_tables, block_size),
+                              _new_token_slots(prefill, prefill_tables, block_size)])
     lengths = [c.start_pos + len(c.token_ids) for c in chunks]
     starts = [0]
     for c in prefill:
@@ -68,10 +77,10 @@ def build_paged_metadata(chunks: Sequence[ScheduledChunk], num_decode: int, bloc
 
     meta = PagedKernelMetadata(
         num_decode=num_decode,
-        decode_block_tables=on_device(_tables(decode, block_size)),
+        decode_block_tables=on_device(decode_tables),
         decode_context_lens=on_device(lengths[:num_decode]),
         max_decode_len=max(lengths[:num_decode], default=0),
-        prefill_block_tables=on_device(_tables(prefill, block_size)),
+        prefill_block_tables=on_device(prefill_tables),
         prefill_query_start_loc=on_device(starts),
         prefill_context_lens=on_device(lengths[num_decode:]),
         max_prefill_len=max((len(c.token_ids) for c in prefill), default=0),

@@ -1,11 +1,23 @@
 """Triton pieces shared by the paged-attention kernels (decode and prefill).
 
-`load_kv_tile` reads the K and V of positions `pos` of one sequence and one KV head from the
+`check_paged_inputs` validates q against the pool; `load_kv_tile` reads the K and V of positions `pos` of one sequence and one KV head from the
 paged pool through the sequence's block table; `online_softmax_step` folds one tile of scores
 into the running max, sum and output (flash-attention's online softmax).
 """
+import torch
 import triton
 import triton.language as tl
+
+
+def check_paged_inputs(kernel: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """(page size, KV heads) of the pool, after checking q `[rows, H, D]` fits it (ValueError naming `kernel`)."""
+    heads, head_dim = q.shape[1:]
+    _, page, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"{kernel}: q {tuple(q.shape)} does not fit a pool of {kv_heads} KV heads x {cache_dim}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1:
+        raise ValueError(f"{kernel}: the pool must be contiguous and q's last dim dense")
+    return page, kv_heads
 
 
 @triton.jit

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.decode_attention import dot_precision
-from engine.kernels.paged_tile import load_kv_tile, online_softmax_step
+from engine.kernels.paged_tile import check_paged_inputs, load_kv_tile, online_softmax_step
 
 
 @triton.jit
@@ -71,12 +71,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     query_start_loc `[S + 1]` int32 (row offsets, query_start_loc[S] = T), context_lens `[S]`
     int32 (cached + new tokens). max_query_len: longest chunk if known on the host (else a sync)."""
     tokens, heads, head_dim = q.shape
-    _, page, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or heads % kv_heads:
-        raise ValueError(f"prefill attention: q {tuple(q.shape)} does not fit a pool of "
-                         f"{kv_heads} KV heads x {cache_dim}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or q.stride(2) != 1:
-        raise ValueError("prefill attention: the pool must be contiguous and q's last dim dense")
+    page, kv_heads = check_paged_inputs("prefill attention", q, k_cache, v_cache)
     num_seqs = context_lens.shape[0]
     if query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError(f"prefill attention: query_start_loc has {query_start_loc.shape[0]} entries "

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.quant.calibration import (ActivationStats, calibration_stats,  # noqa: F401 (re-exported)
-                                      checkpoint_calibrator, collect_activation_stats)
+from engine.quant.calibration import ActivationStats
 from engine.quant.format import Int4Weight, quantize_rtn
 
 ALPHAS = tuple(i / 10 for i in range(11))

@@ -84,14 +84,10 @@ def collect_activation_stats(model, run_calibration, max_rows: int = 512) -> dic
 
 def calibration_sequences(fp_model, tokenizer, continuation_tokens: int = CONTINUATION_TOKENS) -> list[list[int]]:
     """Each calibration text as a chat turn followed by the model's greedy answer."""
-    from engine.model_runner import ModelRunner, StepItem
+    from engine.model_runner import StepItem
 
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in CALIBRATION_TEXTS]
-    block_size = 16
-    blocks = [math.ceil((len(p) + continuation_tokens) / block_size) for p in prompts]
-    runner = ModelRunner(fp_model, num_kv_blocks=sum(blocks), block_size=block_size)
-    starts = [sum(blocks[:i]) for i in range(len(prompts))]
-    tables = [list(range(s, s + n)) for s, n in zip(starts, blocks)]
+    runner, tables = _runner_for(fp_model, [len(p) + continuation_tokens for p in prompts])
     sequences = [list(p) for p in prompts]
     items = [StepItem(p, 0, t) for p, t in zip(prompts, tables)]
     with torch.no_grad():
@@ -105,16 +101,23 @@ def calibration_sequences(fp_model, tokenizer, continuation_tokens: int = CONTIN
 
 def calibration_stats(fp_model, tokenizer) -> dict[str, ActivationStats]:
     """Activation statistics of ``fp_model`` (dense layers) over the calibration sequences."""
-    from engine.model_runner import ModelRunner, StepItem
+    from engine.model_runner import StepItem
 
     sequences = calibration_sequences(fp_model, tokenizer)
-    block_size = 16
-    blocks = [math.ceil(len(s) / block_size) for s in sequences]
-    runner = ModelRunner(fp_model, num_kv_blocks=sum(blocks), block_size=block_size)
-    starts = [sum(blocks[:i]) for i in range(len(sequences))]
-    items = [StepItem(s, 0, list(range(b, b + n))) for s, b, n in zip(sequences, starts, blocks)]
+    runner, tables = _runner_for(fp_model, [len(s) for s in sequences])
+    items = [StepItem(s, 0, t) for s, t in zip(sequences, tables)]
     with torch.no_grad():
         return collect_activation_stats(fp_model, lambda: runner.execute(items))
+
+
+def _runner_for(fp_model, lengths: list[int], block_size: int = 16):
+    """A ModelRunner with room for sequences of `lengths` tokens, and each one's block table."""
+    from engine.model_runner import ModelRunner
+
+    blocks = [math.ceil(n / block_size) for n in lengths]
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    runner = ModelRunner(fp_model, num_kv_blocks=sum(blocks), block_size=block_size)
+    return runner, [list(range(s, s + n)) for s, n in zip(starts, blocks)]
 
 
 def checkpoint_calibrator(checkpoint, model: str, cache_dir=None):

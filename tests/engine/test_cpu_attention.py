@@ -52,6 +52,6 @@ def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size):
 
 
 def test_supports_only_float32_and_its_buffers():
-    assert not cpu_attention.supports(torch.bfloat16, 9, 3, 64, 16)
-    assert not cpu_attention.supports(torch.float32, cpu_attention.MAX_GROUP + 1, 1, 64, 16)
-    assert not cpu_attention.supports(torch.float32, 9, 3, cpu_attention.MAX_HEAD_DIM + 1, 16)
+    assert not cpu_attention.supports(torch.bfloat16, 9, 3, 64)
+    assert not cpu_attention.supports(torch.float32, cpu_attention.MAX_GROUP + 1, 1, 64)
+    assert not cpu_attention.supports(torch.float32, 9, 3, cpu_attention.MAX_HEAD_DIM + 1)

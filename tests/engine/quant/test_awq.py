@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.linear import DenseLinear
-from engine.quant.awq import ActivationStats, collect_activation_stats, quantize_awq
+from engine.quant.awq import quantize_awq
+from engine.quant.calibration import ActivationStats, collect_activation_stats
 from engine.quant.format import quantize_rtn
 from engine.quant.linear import Int4Linear
 
