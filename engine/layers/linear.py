@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.layers import cpu_gemm
+
 if TYPE_CHECKING:
     from engine.quant.config import QuantConfig
 
@@ -65,21 +67,26 @@ class WeightSource:
 
 
 class DenseLinear(nn.Module):
+    """`x @ W.T (+ b)` in the weight's dtype. A float32 weight on CPU is kept only in oneDNN's
+    packed layout (engine/layers/cpu_gemm.py), a non-persistent buffer; `weight` then unpacks a
+    copy on demand (for inspection, not the hot path)."""
+
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        packed = cpu_gemm.pack(weight)
+        self.register_buffer("packed", packed, persistent=False)
+        self.dense = None if packed is not None else nn.Parameter(weight, requires_grad=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+    def weight(self) -> torch.Tensor:
+        return self.dense if self.packed is None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is not None:
+            return cpu_gemm.linear(x, self.packed, self.bias)
+        return F.linear(x, self.dense, self.bias)
 
 
 def build_linear(source: WeightSource, quant_config: "Optional[QuantConfig]" = None) -> nn.Module:

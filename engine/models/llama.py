@@ -15,7 +15,8 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, store_kv
 from engine.config import ModelConfig, rope_scaling_type
-from engine.layers.linear import WeightSource, build_linear
+from engine.layers import cpu_gemm
+from engine.layers.linear import DenseLinear, WeightSource, build_linear
 
 
 class RMSNorm(nn.Module):
@@ -158,7 +159,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(tensor("model.norm.weight"), config.rms_norm_eps)
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
         if config.tie_word_embeddings and (quant_config is None or not quant_config.quantizes("lm_head")):
-            self.lm_head = None  # reuse the embedding matrix: no second copy
+            # reuse the embedding matrix (no second copy), except where the CPU's packed float32
+            # layout makes the LM head up to 2x faster (engine/layers/cpu_gemm.py): a packed copy
+            packed = cpu_gemm.pack(self.embed_tokens)
+            self.lm_head = None if packed is None else DenseLinear(self.embed_tokens, None)
         else:
             self.lm_head = build_linear(source("lm_head", [head]), quant_config)
         freq_divisors = checkpoint.tensor("rope_freqs")

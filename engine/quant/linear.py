@@ -4,9 +4,10 @@ What runs (engine/quant/README.md has the measurements):
 * CUDA: the Triton dequant-GEMM (engine/quant/triton_int4.py) on the packed weight.
 * CPU, steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU kernel (tinygemm), with
   bfloat16 activations (its float32 mode is ~6x slower here; the result is cast back).
-* CPU, larger steps: dense ``F.linear`` with the dequantized weight in the activation dtype
+* CPU, larger steps: a dense matmul with the dequantized weight in the activation dtype
   (float32 for bfloat16 activations on CPUs without native bf16), kept after first use when
-  ``cache_dense_weight`` (else dequantized per call).
+  ``cache_dense_weight`` (else dequantized per call); a kept float32 weight is packed for oneDNN
+  (engine/layers/cpu_gemm.py), like the full-precision layers.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 from gguf import GGMLQuantizationType
 
 from engine.cpu_features import cpu_has_native_bf16
+from engine.layers import cpu_gemm
 from engine.quant.awq import quantize_awq
 from engine.quant.cache import active_cache
 from engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS, QuantConfig
@@ -94,7 +96,7 @@ class Int4Linear(nn.Module):
         else:
             dtype = dense_compute_dtype(x.dtype)
             bias = None if self.bias is None else self.bias.to(dtype)
-            y = F.linear(x2d.to(dtype), self.dense_weight(dtype, x.device), bias).to(x.dtype)
+            y = self._dense_linear(x2d.to(dtype), bias).to(x.dtype)
             return y.reshape(*lead, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
@@ -108,14 +110,20 @@ class Int4Linear(nn.Module):
             sz = self._tinygemm_sz[x2d.dtype] = tinygemm_scales_and_zeros(self.int4_weight, x2d.dtype)
         return tinygemm_linear(x2d, self._tinygemm_packed, self.group_size, sz)
 
-    def dense_weight(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        key = (device, dtype)
+    def _dense_linear(self, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x2d @ dequantized W.T; when cached, a float32 CPU weight is kept in oneDNN's packed
+        layout (engine/layers/cpu_gemm.py) as the full-precision layers are."""
+        key = (x2d.device, x2d.dtype)
         w = self._dense.get(key)
         if w is None:
-            w = self.int4_weight.dequantize(dtype)
+            w = self.int4_weight.dequantize(x2d.dtype)
             if self.cache_dense_weight:
+                packed = cpu_gemm.pack(w)
+                w = w if packed is None else packed
                 self._dense[key] = w
-        return w
+        if w.is_mkldnn:
+            return cpu_gemm.linear(x2d, w, bias)
+        return F.linear(x2d, w, bias)
 
 
 def int4_weight_for(source, config: QuantConfig, activation_stats=None):

@@ -6,6 +6,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.dummy_weights import build_dummy_model, dummy_config
+from engine.layers import cpu_gemm
 from engine.model_runner import kv_bytes_per_block
 from engine.roofline import (attention_flops, decode_step_bytes, device_peak, kv_bytes_per_token,
                              matmul_params_per_token, prefill_flops, utilisation, weight_bytes_per_step)
@@ -63,7 +64,9 @@ def test_kv_bytes_match_the_runner_pool():
     assert decode_step_bytes(1000, 10, [3, 5]) == 1080
 
 
-def test_prefill_flops_matmul_part_matches_torch_flop_counter():
+def test_prefill_flops_matmul_part_matches_torch_flop_counter(monkeypatch):
+    # torch's FLOP counter sees aten matmuls, not oneDNN's packed linear: count on the plain path
+    monkeypatch.setattr(cpu_gemm, "available", lambda: False)
     model = build_dummy_model("llama-tiny")
     c = model.config
     n = 12
