@@ -3,9 +3,10 @@
 `F.linear` hands the weight to MKL's sgemm, which re-packs it into its blocked panel layout on
 every call. oneDNN can take the weight already in that layout (`mkldnn._reorder_linear_weight`,
 the same pre-packing torch.compile's CPU "freezing" pass applies). On the dev machine (AMD EPYC,
-2 cores, AVX2; `python -m engine.runner_bench`) that takes a 256-row decode step of the default
-model from 826 to 736 ms, a 16-row step from 105 to 74 ms, and the 49152-wide LM head at one row
-from 8.9 to 4.4 ms.
+2 cores, AVX2), `python -m engine.runner_bench --batch 1 16 256`, alternated with
+NIGHTSHIFT_CPU_GEMM=0: a 1-row decode step of the default model 48 -> 38 ms, a 16-row step
+115 -> 80 ms, a 256-row step unchanged within noise (~700-790 ms either way), a 256-token prefill
+chunk 564-598 -> 494-547 ms; the 49152-wide LM head at one row 8.9 -> 4.4 ms.
 
 The packed tensor is an opaque oneDNN tensor of the same shape; `to_dense()` gives the original
 weight back bit for bit. Results agree with `F.linear` to float32 rounding (a different summation
