@@ -9,6 +9,10 @@ at each batch size of --hf-batch-sizes; the best output tok/s is the one compare
 
 Prints output tok/s, total tok/s, TTFT and TPOT p50/p95/p99, prefix-hit rate, and the
 ratio to HF. --quick is a small version that finishes in about a minute.
+On CPU it also prints the run's matmul floor: how long the linear layers and LM head alone take
+on the token rows the run computed (engine/runner_bench.py), the part of the run no attention,
+scheduling or kernel change outside the GEMMs can remove; with the HF baseline, next to the time
+5x the best HF throughput would allow.
 On CUDA (--device, default auto) it also prints decode MBU and prefill MFU of the engine's runner
 (engine/roofline_bench.py; on CPU only with --peak-bandwidth/--peak-flops). --dummy-weights NAME
 runs random weights of a Llama shape (llama-1b, llama-8b) in both our engine and the HF baseline.
@@ -21,6 +25,7 @@ import platform
 import random
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -164,6 +169,24 @@ def run_hf(hf, prompts: list[list[int]], output_len: int, batch_size: int, pad_i
     return time.time() - start, produced, sum(len(p) for p in prompts)
 
 
+def print_matmul_floor(engine, result: EngineResult, num_requests: int) -> Optional[float]:
+    """On CPU: seconds the run's matmuls alone would take (engine/runner_bench.py's matmul floor
+    at the engine's step size, over the rows the run computed), printed with its share of the
+    run; None elsewhere (the floor is timed without device syncs)."""
+    if engine.runner.device.type != "cpu":
+        return None
+    from engine.runner_bench import workload_matmul_seconds
+    uncached = result.prompt_tokens - result.cached_tokens
+    logits_rows, other_rows = result.output_tokens, max(0, uncached - num_requests)
+    decode_rows = min(engine.config.max_num_seqs, num_requests)           # a full decode step
+    prefill_rows = max(1, min(engine.config.max_num_batched_tokens, other_rows))   # a full prefill step
+    floor = workload_matmul_seconds(engine.runner.model, logits_rows, other_rows, decode_rows, prefill_rows)
+    print(f"matmul floor {floor:.1f} s = {floor / result.seconds:.0%} of the run: the linear layers and LM head "
+          f"alone on its {logits_rows + other_rows} token rows ({logits_rows} with logits, at {decode_rows}-row "
+          f"steps; the rest at {prefill_rows}-row steps without the LM head)")
+    return floor
+
+
 def print_roofline(engine, args, prompt_len: int, output_len: int) -> None:
     """Decode MBU and prefill MFU of the engine's own runner (engine/roofline_bench.py): decode at
     the workload's batch (as many sequences as the KV pool holds) and mid-generation context,
@@ -279,6 +302,7 @@ def main(argv=None) -> None:
           f"({result.cached_tokens} of {result.prompt_tokens} prompt tokens)")
     args.num_requests_run = num_requests
     print_roofline(engine, args, round(sum(lengths) / len(lengths)), output_len)
+    floor = print_matmul_floor(engine, result, num_requests)
     if args.skip_hf:
         return
 
@@ -304,6 +328,9 @@ def main(argv=None) -> None:
         if best is None or tps > best[1]:
             best = (size, tps)
     print(f"\nratio: engine output tok/s / best HF (batch {best[0]}) = {result.output_tps / best[1]:.2f}x")
+    if floor is not None:
+        print(f"5x the best HF would be {5 * best[1]:.1f} output tok/s: this run in "
+              f"{result.output_tokens / (5 * best[1]):.1f} s, against a matmul floor of {floor:.1f} s")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,26 @@ def matmul_floor(model, rows: int, repeats: int) -> float:
     return best_of(step, repeats)
 
 
+@torch.inference_mode()
+def lm_head_seconds(model, rows: int, repeats: int) -> float:
+    """Seconds of the LM head alone on `rows` rows."""
+    hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype)
+    if model.lm_head is None:
+        return best_of(lambda: torch.nn.functional.linear(hidden, model.embed_tokens), repeats)
+    return best_of(lambda: model.lm_head(hidden), repeats)
+
+
+def workload_matmul_seconds(model, logits_rows: int, other_rows: int, decode_rows: int, prefill_rows: int,
+                            repeats: int = 3) -> float:
+    """The matmul floor of a whole workload (CPU): `logits_rows` token rows that need the LM head
+    (one per output token), timed at the rate of `decode_rows`-row steps, and `other_rows` that
+    do not (the rest of the uncached prompt tokens), at the rate of `prefill_rows`-row steps
+    without the LM head."""
+    decode = matmul_floor(model, decode_rows, repeats) / decode_rows
+    prefill = (matmul_floor(model, prefill_rows, repeats) - lm_head_seconds(model, prefill_rows, repeats)) / prefill_rows
+    return logits_rows * decode + other_rows * prefill
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")

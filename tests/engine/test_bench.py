@@ -1,5 +1,6 @@
 """engine.bench: the workload it builds, its HF baseline model, and the command end to end."""
 import os
+import re
 
 import pytest
 import torch
@@ -42,4 +43,10 @@ def test_bench_command_prints_the_report(capsys):
     for needle in ("== nightshift engine ==", "output tok/s", "total tok/s", "TTFT p50", "TPOT p50",
                    "prefix-hit rate", "batch   1:", "batch   2:", "ratio: engine output tok/s / best HF"):
         assert needle in out, needle
+    # 3 requests x 3 tokens: 9 rows with logits, the uncached prompt rows but one per request without
+    floor = re.search(r"matmul floor (\d+\.\d) s = \d+% of the run: .* on its (\d+) token rows \(9 with logits, "
+                      r"at 3-row steps; the rest at \d+-row steps without the LM head\)", out)
+    assert floor, out
+    assert re.search(r"5x the best HF would be \d+\.\d output tok/s: this run in \d+\.\d s, against a matmul "
+                     r"floor of " + re.escape(floor.group(1)) + " s", out)
     assert "3 requests" in out and "3 output tokens each" in out
