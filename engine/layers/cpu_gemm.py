@@ -37,10 +37,15 @@ def available() -> bool:
     return bool(torch.equal(out, torch.full((1, 2), 2.0)))
 
 
+def applies(weight: torch.Tensor) -> bool:
+    """Whether `pack` packs this weight: a 2-D float32 CPU tensor, with oneDNN available."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2 and available()
+
+
 def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
-    """`weight` `[out, in]` in oneDNN's packed layout, or None where it does not apply (not a
-    float32 CPU tensor, or oneDNN unavailable): the caller then keeps the plain weight."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or not available():
+    """`weight` `[out, in]` in oneDNN's packed layout, or None where it does not apply
+    (see `applies`): the caller then keeps the plain weight."""
+    if not applies(weight):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 

@@ -161,8 +161,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings and (quant_config is None or not quant_config.quantizes("lm_head")):
             # reuse the embedding matrix (no second copy), except where the CPU's packed float32
             # layout makes the LM head up to 2x faster (engine/layers/cpu_gemm.py): a packed copy
-            packed = cpu_gemm.pack(self.embed_tokens)
-            self.lm_head = None if packed is None else DenseLinear(self.embed_tokens, None)
+            self.lm_head = DenseLinear(self.embed_tokens, None) if cpu_gemm.applies(self.embed_tokens) else None
         else:
             self.lm_head = build_linear(source("lm_head", [head]), quant_config)
         freq_divisors = checkpoint.tensor("rope_freqs")

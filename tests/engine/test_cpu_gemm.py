@@ -26,6 +26,8 @@ def test_packed_linear_matches_f_linear(rows):
 def test_only_float32_cpu_weights_are_packed():
     assert cpu_gemm.pack(torch.randn(8, 8, dtype=torch.bfloat16)) is None
     assert cpu_gemm.pack(torch.randn(8)) is None
+    assert not cpu_gemm.applies(torch.randn(8, 8, dtype=torch.bfloat16))
+    assert cpu_gemm.applies(torch.randn(8, 8)) == cpu_gemm.available()
 
 
 def test_dense_linear_unpacks_its_weight_and_can_be_turned_off(monkeypatch):
