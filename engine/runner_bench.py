@@ -49,27 +49,19 @@ def time_step(runner: ModelRunner, items, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def matmul_floor(model, rows: int, repeats: int) -> float:
-    """Seconds of one step's matmuls alone: every linear layer, then the lm_head, on `rows` rows."""
-    linears = [m for m in model.modules() if hasattr(m, "in_features") and not list(m.children())]
+def matmul_floor(model, rows: int, repeats: int, lm_head: bool = True) -> float:
+    """Seconds of one step's matmuls alone on `rows` rows: every linear layer of the decoder,
+    then (unless `lm_head` is False, as for prompt rows that need no logits) the LM head."""
+    linears = [m for m in model.layers.modules() if hasattr(m, "in_features") and not list(m.children())]
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
     hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype)
 
     def step():
         for m in linears:
             m(inputs[m.in_features])
-        if model.lm_head is None:
-            torch.nn.functional.linear(hidden, model.embed_tokens)
+        if lm_head:
+            model.project_logits(hidden)
     return best_of(step, repeats)
-
-
-@torch.inference_mode()
-def lm_head_seconds(model, rows: int, repeats: int) -> float:
-    """Seconds of the LM head alone on `rows` rows."""
-    hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype)
-    if model.lm_head is None:
-        return best_of(lambda: torch.nn.functional.linear(hidden, model.embed_tokens), repeats)
-    return best_of(lambda: model.lm_head(hidden), repeats)
 
 
 def workload_matmul_seconds(model, logits_rows: int, other_rows: int, decode_rows: int, prefill_rows: int,
@@ -79,7 +71,7 @@ def workload_matmul_seconds(model, logits_rows: int, other_rows: int, decode_row
     do not (the rest of the uncached prompt tokens), at the rate of `prefill_rows`-row steps
     without the LM head."""
     decode = matmul_floor(model, decode_rows, repeats) / decode_rows
-    prefill = (matmul_floor(model, prefill_rows, repeats) - lm_head_seconds(model, prefill_rows, repeats)) / prefill_rows
+    prefill = matmul_floor(model, prefill_rows, repeats, lm_head=False) / prefill_rows
     return logits_rows * decode + other_rows * prefill
 
 

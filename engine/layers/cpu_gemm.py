@@ -20,6 +20,7 @@ import os
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 
 @functools.cache
@@ -50,6 +51,8 @@ def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`x @ W.T (+ bias)` for a weight from `pack`; x `[..., in]` float32."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`x @ W.T (+ bias)` for a weight from `pack` (oneDNN) or a plain one (`F.linear`)."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)

@@ -1,8 +1,9 @@
 """The linear-layer seam: the model builds every projection with `build_linear`.
 
-Full precision is a plain dense `F.linear`. The INT4 path (engine/quant/) plugs in here: it
-receives the same `WeightSource`, which can hand out the checkpoint's raw GGUF blocks as well
-as the dense weight, so GGUF Q4_0/Q4_1 tensors import without re-quantizing.
+Full precision is a plain dense matmul (float32 on CPU: oneDNN with the weight packed once,
+engine/layers/cpu_gemm.py). The INT4 path (engine/quant/) plugs in here: it receives the same
+`WeightSource`, which can hand out the checkpoint's raw GGUF blocks as well as the dense weight,
+so GGUF Q4_0/Q4_1 tensors import without re-quantizing.
 """
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers import cpu_gemm
@@ -84,9 +84,7 @@ class DenseLinear(nn.Module):
         return self.dense if self.packed is None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return cpu_gemm.linear(x, self.packed, self.bias)
-        return F.linear(x, self.dense, self.bias)
+        return cpu_gemm.linear(x, self.dense if self.packed is None else self.packed, self.bias)
 
 
 def build_linear(source: WeightSource, quant_config: "Optional[QuantConfig]" = None) -> nn.Module:

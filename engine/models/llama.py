@@ -177,6 +177,8 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, kv_cache, meta)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
-        x = self.norm(x)
-        logits = F.linear(x, self.embed_tokens) if self.lm_head is None else self.lm_head(x)
-        return logits.float()
+        return self.project_logits(self.norm(x)).float()
+
+    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on final hidden states `[..., hidden_size]` (the tied embedding or lm_head)."""
+        return F.linear(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)

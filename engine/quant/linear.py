@@ -12,7 +12,6 @@ What runs (engine/quant/README.md has the measurements):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gguf import GGMLQuantizationType
@@ -121,9 +120,7 @@ class Int4Linear(nn.Module):
                 packed = cpu_gemm.pack(w)
                 w = w if packed is None else packed
                 self._dense[key] = w
-        if w.is_mkldnn:
-            return cpu_gemm.linear(x2d, w, bias)
-        return F.linear(x2d, w, bias)
+        return cpu_gemm.linear(x2d, w, bias)
 
 
 def int4_weight_for(source, config: QuantConfig, activation_stats=None):

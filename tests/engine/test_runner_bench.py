@@ -37,20 +37,22 @@ def test_prints_floor_kernel_and_torch_paths(capsys):
 
 def test_workload_matmul_floor_counts_the_lm_head_only_on_rows_with_logits(monkeypatch):
     from engine import runner_bench
-    monkeypatch.setattr(runner_bench, "matmul_floor", lambda model, rows, repeats: 0.5 * rows)   # 0.5 s a row
-    monkeypatch.setattr(runner_bench, "lm_head_seconds", lambda model, rows, repeats: 0.125 * rows)
+    # 0.5 s a row with the LM head, 0.375 s without
+    monkeypatch.setattr(runner_bench, "matmul_floor",
+                        lambda model, rows, repeats, lm_head=True: (0.5 if lm_head else 0.375) * rows)
     # 8 rows with logits at 0.5 s each, 4 without at 0.375 s each
     assert runner_bench.workload_matmul_seconds(None, logits_rows=8, other_rows=4, decode_rows=4,
                                                 prefill_rows=16) == 5.5
 
 
-def test_lm_head_seconds_times_the_head(fp32_model):
-    from engine.runner_bench import lm_head_seconds
+def test_matmul_floor_without_the_lm_head_skips_it(fp32_model):
     calls = []
-    handle = fp32_model.lm_head.register_forward_hook(lambda m, i, o: calls.append(o.shape)) \
-        if fp32_model.lm_head is not None else None
+    head = fp32_model.lm_head
+    handle = head.register_forward_hook(lambda m, i, o: calls.append(o.shape)) if head is not None else None
     try:
-        assert lm_head_seconds(fp32_model, rows=2, repeats=1) > 0
+        assert matmul_floor(fp32_model, rows=2, repeats=1, lm_head=False) > 0
+        assert not calls
+        assert matmul_floor(fp32_model, rows=2, repeats=1) > 0
     finally:
         if handle is not None:
             handle.remove()
