@@ -12,13 +12,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from jobs.keys import generate_key
 from jobs.settings import Settings, get_settings
 from workers import procs
 
-WORKERS = {"gpu": {"queues": "gpu"}, "cpu": {"queues": "cpu", "beat": True}}
+# The engine worker runs at a lower CPU priority: on one machine the API must answer polls
+# promptly while the engine keeps every core busy; with the API idle the engine loses nothing.
+WORKERS = {"gpu": {"queues": "gpu", "nice": 10}, "cpu": {"queues": "cpu", "beat": True}}
 
 
 def local_key(settings: Settings) -> str:
@@ -44,13 +47,19 @@ def start_workers(home: Path) -> list[subprocess.Popen]:
                                **opts) for kind, opts in WORKERS.items()]
 
 
-def stop_workers(children: list[subprocess.Popen]) -> None:
-    """Warm shutdown of all workers at once (then procs.stop waits, and kills what lingers)."""
+def stop_workers(children: list[subprocess.Popen], grace_seconds: float) -> None:
+    """Warm shutdown of all workers at once; whatever still runs after ``grace_seconds`` is
+    killed with its process group. A shard stopped midway keeps its rows pending: its lease
+    runs out and the reconciler sends it again (DESIGN: leases, not messages, hold the truth)."""
     for child in children:
         if child.poll() is None:
-            os.killpg(child.pid, signal.SIGTERM)
+            try:
+                os.killpg(child.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_seconds
     for child in children:
-        procs.stop(child)
+        procs.stop(child, timeout=max(0.0, deadline - time.monotonic()))
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int:
@@ -68,14 +77,16 @@ def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") ->
     get_settings.cache_clear()
 
     upgrade_head(settings.resolved_database_url)
-    # uvicorn re-raises SIGTERM after its graceful shutdown; turned into SystemExit here, so the
-    # `finally` below still stops the workers (the default action would end this process first).
+    # uvicorn handles SIGTERM/SIGINT itself (stop accepting, give in-flight requests
+    # timeout_graceful_shutdown seconds) and re-raises the signal once it is done; that re-raise
+    # becomes SystemExit here, so the `finally` below still stops the workers.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     children = start_workers(home)
     print(f"nightshift: API on http://{host}:{port}/v1; state, API key and worker logs in {home}",
           file=sys.stderr, flush=True)
     try:
-        uvicorn.run(create_app(), host=host, port=port, log_level=log_level)
+        uvicorn.run(create_app(), host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=max(1, round(settings.shutdown_seconds)))
     finally:
-        stop_workers(children)
+        stop_workers(children, settings.shutdown_seconds)
     return 0

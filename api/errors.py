@@ -14,6 +14,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+from api.database import Overloaded
 from jobs.errors import Conflict, InvalidInput, NotFound
 
 _TYPE_BY_STATUS = {
@@ -93,6 +96,18 @@ async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
 
+async def _overloaded(_: Request, exc: Overloaded) -> JSONResponse:
+    return error_response(503, str(exc), code="server_overloaded", type="server_error",
+                          headers={"retry-after": str(exc.retry_after_seconds)})
+
+
+async def _pool_timeout(_: Request, exc: PoolTimeout) -> JSONResponse:
+    # Admission keeps pool checkouts within the pool's size, so this is rare (a database slow
+    # to open connections); it is a busy server, not a broken request: retryable.
+    return error_response(503, "The database is busy; retry after a short wait.", code="server_overloaded",
+                          type="server_error", headers={"retry-after": "1"})
+
+
 async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(500, "The server had an error while processing your request.", type="server_error")
 
@@ -104,4 +119,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Conflict, _conflict)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Overloaded, _overloaded)
+    app.add_exception_handler(PoolTimeout, _pool_timeout)
     app.add_exception_handler(Exception, _unexpected_error)

@@ -107,17 +107,19 @@ def write_cost_files(session: Session, store: ObjectStore, batch: Batch, *,
     return report
 
 
-def batch_cost_report(session: Session, store: ObjectStore, batch: Batch,
-                      settings: Optional[Settings] = None, now: Optional[float] = None) -> dict:
-    """The stored cost.json of a finished batch, else the live report of a running one."""
-    json_id, _ = cost_file_ids(batch.id)
-    file = session.get(File, json_id)
-    if batch.status in BatchStatus.TERMINAL and file is not None:
-        try:
-            return orjson.loads(b"".join(store.get_stream(file.object_key)))
-        except KeyError:
-            pass  # object lost: fall back to recomputing from the rows
-    return live_cost_report(session, batch, settings, now)
+def stored_cost_report_key(session: Session, batch: Batch) -> Optional[str]:
+    """The object key of a finished batch's cost.json, or None while it runs (then the report
+    is ``live_cost_report``)."""
+    file = session.get(File, cost_file_ids(batch.id)[0])
+    return file.object_key if batch.status in BatchStatus.TERMINAL and file is not None else None
+
+
+def read_cost_report(store: ObjectStore, key: str) -> Optional[dict]:
+    """A stored cost.json, or None if its object is gone (recompute it with live_cost_report)."""
+    try:
+        return orjson.loads(b"".join(store.get_stream(key)))
+    except KeyError:
+        return None
 
 
 # --- per project per day ----------------------------------------------------------------------

@@ -3,6 +3,7 @@ lookup within a project, cursor listing, soft delete, content streaming."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Optional
 
 from sqlalchemy import select, tuple_
@@ -52,10 +53,23 @@ def object_key(file_id: str) -> str:
     return f"files/{file_id}"
 
 
-def create_file(session: Session, store: ObjectStore, settings: Settings, *, project_id: str,
-                filename: str, purpose: str, source: BinaryIO,
-                expires_after_seconds: Optional[int] = None) -> File:
-    """Stream ``source`` into the store and add the file row (flushed, not committed)."""
+@dataclass(frozen=True)
+class StoredUpload:
+    """An upload's bytes in the object store, counted; not yet a file row."""
+
+    file_id: str
+    object_key: str
+    filename: str
+    purpose: str
+    bytes: int
+    lines: int
+
+
+def store_upload(store: ObjectStore, settings: Settings, *, filename: str, purpose: str,
+                 source: BinaryIO) -> StoredUpload:
+    """Check the upload's name and purpose, then stream ``source`` into the store, counting bytes
+    and lines against the limits (the object is removed again if anything fails). Needs no
+    database: the API calls it without holding a connection."""
     if purpose not in UPLOAD_PURPOSES:
         raise InvalidInput(f"Invalid value: '{purpose}'. Supported values are: 'batch'.", "purpose",
                            "invalid_value")
@@ -68,17 +82,36 @@ def create_file(session: Session, store: ObjectStore, settings: Settings, *, pro
         store.put_stream(key, counter)
         if counter.lines == 0:
             raise InvalidInput("The file is empty.", "file", "empty_file")
-        created = time.time()
-        ttl = expires_after_seconds if expires_after_seconds is not None else BATCH_FILE_TTL_SECONDS
-        row = File(id=file_id, project_id=project_id, filename=filename, purpose=purpose,
-                   bytes=counter.bytes, object_key=key, status="processed", line_count=counter.lines,
-                   created_at=created, expires_at=created + ttl)
-        session.add(row)
-        session.flush()
     except BaseException:
         store.delete(key)
         raise
+    return StoredUpload(file_id, key, filename, purpose, counter.bytes, counter.lines)
+
+
+def record_file(session: Session, project_id: str, upload: StoredUpload,
+                expires_after_seconds: Optional[int] = None) -> File:
+    """Add the file row of a stored upload (flushed; the caller commits, or deletes the object
+    if the transaction fails)."""
+    created = time.time()
+    ttl = expires_after_seconds if expires_after_seconds is not None else BATCH_FILE_TTL_SECONDS
+    row = File(id=upload.file_id, project_id=project_id, filename=upload.filename, purpose=upload.purpose,
+               bytes=upload.bytes, object_key=upload.object_key, status="processed", line_count=upload.lines,
+               created_at=created, expires_at=created + ttl)
+    session.add(row)
+    session.flush()
     return row
+
+
+def create_file(session: Session, store: ObjectStore, settings: Settings, *, project_id: str,
+                filename: str, purpose: str, source: BinaryIO,
+                expires_after_seconds: Optional[int] = None) -> File:
+    """``store_upload`` then ``record_file`` in the caller's session."""
+    upload = store_upload(store, settings, filename=filename, purpose=purpose, source=source)
+    try:
+        return record_file(session, project_id, upload, expires_after_seconds)
+    except BaseException:
+        store.delete(upload.object_key)
+        raise
 
 
 def get_file(session: Session, project_id: str, file_id: str, param: Optional[str] = None) -> File:

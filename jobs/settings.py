@@ -65,7 +65,20 @@ class Settings(BaseSettings):
     broker_visibility_timeout: int = 6 * 3600    # Redis: longer than the longest shard
     broker_polling_interval: float = 0.1         # filesystem:// broker
 
-    # --- API (issue 5, API surface) ----------------------------------------------------
+    # --- database connections and API admission --------------------------------------
+    # Each process keeps at most db_pool_size connections (no overflow). The API runs at most
+    # that many units of database work at once; a request that finds every slot busy for
+    # api_queue_seconds gets 503 + Retry-After. Postgres needs max_connections >= the sum over
+    # processes (uvicorn workers x db_pool_size + Celery worker processes x db_pool_size).
+    db_pool_size: int = Field(default=8, ge=1)
+    db_pool_timeout_seconds: float = 10.0        # workers: a checkout waiting longer raises
+    api_queue_seconds: float = 2.0
+    api_retry_after_seconds: int = 1
+    # `nightshift serve` on SIGTERM/SIGINT: in-flight requests, then the workers' running tasks,
+    # get this long before they are stopped (a shard stopped midway is re-run from its lease).
+    shutdown_seconds: float = 3.0
+
+    # --- API ---------------------------------------------------------------------------
     bootstrap_key: Optional[str] = None          # made a valid key of bootstrap_project at start-up
     bootstrap_project: str = "default"
 

@@ -2,7 +2,12 @@
 
 SQLite (the embedded default) gets WAL, a busy timeout and ``BEGIN IMMEDIATE`` for every
 transaction: writers queue on the busy timeout instead of failing a lock upgrade, which is
-SQLite's stand-in for Postgres row locks (Prefect does the same).
+SQLite's stand-in for Postgres row locks (Prefect does the same). Read-only sessions
+(``read_only_session_scope``) begin deferred instead: under WAL they read a snapshot without
+waiting for a writer.
+
+Every process has one pool per URL of ``db_pool_size`` connections and no overflow: the API
+admits that many units of work at once (api/database.py), and workers use a few threads.
 """
 from __future__ import annotations
 
@@ -19,12 +24,16 @@ _lock = threading.Lock()
 _engines: dict[tuple[str, int], Engine] = {}
 
 
-def make_engine(url: str) -> Engine:
+READ_ONLY = "nightshift_read_only"   # execution option: SQLite begins deferred
+
+
+def make_engine(url: str, pool_size: int = 8, pool_timeout: float = 10.0) -> Engine:
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+        engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False},
+                               pool_size=pool_size, max_overflow=0, pool_timeout=pool_timeout)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):  # noqa: ANN001
@@ -38,23 +47,24 @@ def make_engine(url: str) -> Engine:
 
         @event.listens_for(engine, "begin")
         def _sqlite_begin(conn):  # noqa: ANN001
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            read_only = conn.get_execution_options().get(READ_ONLY, False)
+            conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=10)
+    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=0, pool_timeout=pool_timeout)
 
 
 def get_engine(url: Optional[str] = None) -> Engine:
     """One engine per (url, process): pools must not cross a fork."""
-    if url is None:
-        from jobs.settings import get_settings
+    from jobs.settings import get_settings
 
-        url = get_settings().resolved_database_url
+    settings = get_settings()
+    url = url or settings.resolved_database_url
     key = (url, os.getpid())
     with _lock:
         engine = _engines.get(key)
         if engine is None:
-            engine = _engines[key] = make_engine(url)
+            engine = _engines[key] = make_engine(url, settings.db_pool_size, settings.db_pool_timeout_seconds)
         return engine
 
 
@@ -72,6 +82,17 @@ def session_scope(url: Optional[str] = None) -> Iterator[Session]:
     except BaseException:
         session.rollback()
         raise
+    finally:
+        session.close()
+
+
+@contextmanager
+def read_only_session_scope(url: Optional[str] = None) -> Iterator[Session]:
+    """A session for reads only: on SQLite it does not take the write lock; it never commits.
+    Closing (not rolling back) keeps what was loaded readable after the session ends."""
+    session = Session(bind=get_engine(url).execution_options(**{READ_ONLY: True}), expire_on_commit=False)
+    try:
+        yield session
     finally:
         session.close()
 

@@ -23,6 +23,34 @@ class _CountingReader:
         return data
 
 
+def _read_up_to(reader, n: int) -> bytes:  # noqa: ANN001
+    parts, size = [], 0
+    while size < n:
+        data = reader.read(n - size)
+        if not data:
+            break
+        parts.append(data)
+        size += len(data)
+    return b"".join(parts)
+
+
+class _Prefixed:
+    """``head`` (already read) followed by the rest of ``raw``, as one file object."""
+
+    def __init__(self, head: bytes, raw):  # noqa: ANN001
+        self.head = head
+        self.raw = raw
+
+    def read(self, n: int = -1) -> bytes:
+        if self.head:
+            if n is None or n < 0:
+                data, self.head = self.head + self.raw.read(), b""
+                return data
+            data, self.head = self.head[:n], self.head[n:]
+            return data
+        return self.raw.read(n)
+
+
 class S3Store:
     def __init__(self, client, bucket: str, prefix: str = "", chunk_bytes: int = 8 * 1024 * 1024):  # noqa: ANN001
         self.client = client
@@ -51,9 +79,16 @@ class S3Store:
         return self.prefix + key
 
     def put_stream(self, key: str, source: Source) -> int:
-        reader = _CountingReader(as_reader(source))
-        self.client.upload_fileobj(reader, self.bucket, self._key(key), Config=self.transfer)
-        return reader.count
+        """One PUT for an object smaller than a part (most uploads: no transfer threads), a
+        managed multipart upload otherwise."""
+        reader = as_reader(source)
+        head = _read_up_to(reader, self.transfer.multipart_threshold)
+        if len(head) < self.transfer.multipart_threshold:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=head)
+            return len(head)
+        counting = _CountingReader(_Prefixed(head, reader))
+        self.client.upload_fileobj(counting, self.bucket, self._key(key), Config=self.transfer)
+        return counting.count
 
     def get_stream(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
         try:

@@ -55,6 +55,7 @@ def celery_config(settings: Settings) -> dict:
             "control_folder": str(root / "control"), "polling_interval": settings.broker_polling_interval,
         }
         config["beat_schedule_filename"] = str(root / "celerybeat-schedule")
+        config["broker_transport"] = "workers.filesystem_broker:Transport"   # atomic message files
     else:
         opts = {"visibility_timeout": settings.broker_visibility_timeout}
         config["broker_transport_options"] = opts

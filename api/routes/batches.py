@@ -5,8 +5,10 @@ import logging
 from typing import Callable, Optional
 
 from fastapi import APIRouter, Query
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
-from api.deps import ProjectDep, SessionDep, SettingsDep
+from api.deps import CallerDep, SettingsDep
 from api.schemas.batches import BatchCreate, BatchObject
 from api.schemas.common import ListPage
 from jobs import batch_queries
@@ -49,34 +51,40 @@ def _one(session, batch: Batch) -> BatchObject:  # noqa: ANN001
 
 
 @router.post("", response_model=BatchObject)
-def create_batch(body: BatchCreate, project_id: ProjectDep, session: SessionDep,
-                 settings: SettingsDep) -> BatchObject:
-    batch = batch_queries.create_batch(
-        session, settings, project_id=project_id, input_file_id=body.input_file_id, endpoint=body.endpoint,
-        completion_window=body.completion_window, metadata=body.metadata,
-        output_expires_after_seconds=body.output_expires_after.seconds if body.output_expires_after else None)
-    session.commit()
-    _wake(enqueue_ingest, batch.id)  # after the commit: the worker must find the row
-    return _one(session, batch)
+async def create_batch(body: BatchCreate, caller: CallerDep, settings: SettingsDep) -> BatchObject:
+    def create(session: Session, project_id: str) -> BatchObject:
+        batch = batch_queries.create_batch(
+            session, settings, project_id=project_id, input_file_id=body.input_file_id, endpoint=body.endpoint,
+            completion_window=body.completion_window, metadata=body.metadata,
+            output_expires_after_seconds=body.output_expires_after.seconds if body.output_expires_after else None)
+        return _one(session, batch)
+
+    batch = await caller.run(create)
+    await run_in_threadpool(_wake, enqueue_ingest, batch.id)  # after the commit: the worker must find the row
+    return batch
 
 
 @router.get("", response_model=ListPage[BatchObject])
-def list_batches(project_id: ProjectDep, session: SessionDep, after: Optional[str] = None,
-                 limit: int = Query(20, ge=1, le=100)) -> ListPage[BatchObject]:
-    batches, has_more = batch_queries.list_batches(session, project_id, after=after, limit=limit)
-    progress = batch_progress(session, batches)
-    return ListPage[BatchObject].of([batch_object(b, progress[b.id]) for b in batches], has_more)
+async def list_batches(caller: CallerDep, after: Optional[str] = None,
+                       limit: int = Query(20, ge=1, le=100)) -> ListPage[BatchObject]:
+    def page(session: Session, project_id: str) -> ListPage[BatchObject]:
+        batches, has_more = batch_queries.list_batches(session, project_id, after=after, limit=limit)
+        progress = batch_progress(session, batches)
+        return ListPage[BatchObject].of([batch_object(b, progress[b.id]) for b in batches], has_more)
+
+    return await caller.read(page)
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-def retrieve_batch(batch_id: str, project_id: ProjectDep, session: SessionDep) -> BatchObject:
-    return _one(session, batch_queries.get_batch(session, project_id, batch_id))
+async def retrieve_batch(batch_id: str, caller: CallerDep) -> BatchObject:
+    return await caller.read(lambda session, project_id:
+                             _one(session, batch_queries.get_batch(session, project_id, batch_id)))
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)
-def cancel_batch(batch_id: str, project_id: ProjectDep, session: SessionDep) -> BatchObject:
-    batch = batch_queries.cancel_batch(session, project_id, batch_id)
-    session.commit()
+async def cancel_batch(batch_id: str, caller: CallerDep) -> BatchObject:
+    batch = await caller.run(lambda session, project_id:
+                             _one(session, batch_queries.cancel_batch(session, project_id, batch_id)))
     if batch.status == "cancelling":
-        _wake(enqueue_cancel, batch.id)
-    return _one(session, batch)
+        await run_in_threadpool(_wake, enqueue_cancel, batch.id)  # after the commit
+    return batch

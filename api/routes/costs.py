@@ -7,11 +7,13 @@ from typing import Literal, Optional
 
 from fastapi import APIRouter, Query
 from fastapi.responses import HTMLResponse, JSONResponse
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
-from api.deps import ProjectDep, SessionDep, SettingsDep, StoreDep
+from api.deps import CallerDep, SettingsDep, StoreDep
 from jobs import batch_queries
 from jobs.cost_page import render_cost_page
-from jobs.cost_reports import batch_cost_report, costs_by_day
+from jobs.cost_reports import costs_by_day, live_cost_report, read_cost_report, stored_cost_report_key
 from jobs.errors import InvalidInput
 
 router = APIRouter(tags=["costs"])
@@ -19,12 +21,19 @@ DEFAULT_DAYS = 30
 
 
 @router.get("/v1/batches/{batch_id}/cost", response_model=None)
-def batch_cost(batch_id: str, project_id: ProjectDep, session: SessionDep, store: StoreDep,
-               settings: SettingsDep,
-               format: Literal["json", "html"] = "json") -> JSONResponse | HTMLResponse:
+async def batch_cost(batch_id: str, caller: CallerDep, store: StoreDep, settings: SettingsDep,
+                     format: Literal["json", "html"] = "json") -> JSONResponse | HTMLResponse:
     """cost.json of a finished batch (a live report while it runs); ?format=html for the page."""
-    batch = batch_queries.get_batch(session, project_id, batch_id)
-    report = batch_cost_report(session, store, batch, settings, now=time.time())
+    def live_report(session: Session, project_id: str) -> dict:
+        return live_cost_report(session, batch_queries.get_batch(session, project_id, batch_id), settings,
+                                now=time.time())
+
+    key = await caller.read(lambda session, project_id:
+                            stored_cost_report_key(session, batch_queries.get_batch(session, project_id, batch_id)))
+    # A finished batch's stored report is read with no database connection held.
+    report = await run_in_threadpool(read_cost_report, store, key) if key else None
+    if report is None:
+        report = await caller.read(live_report)
     if format == "html":
         return HTMLResponse(render_cost_page(report))
     return JSONResponse(report)
@@ -49,8 +58,8 @@ def _instant(value: Optional[str], param: str) -> Optional[float]:
 
 
 @router.get("/v1/costs")
-def costs(project_id: ProjectDep, session: SessionDep, settings: SettingsDep,
-          from_: Optional[str] = Query(None, alias="from"), to: Optional[str] = None) -> dict:
+async def costs(caller: CallerDep, settings: SettingsDep,
+                from_: Optional[str] = Query(None, alias="from"), to: Optional[str] = None) -> dict:
     """Spend of the caller's project per UTC day, for requests finished in [from, to)
     (default: the last 30 days)."""
     end = _instant(to, "to") or time.time()
@@ -58,4 +67,5 @@ def costs(project_id: ProjectDep, session: SessionDep, settings: SettingsDep,
     start = end - DEFAULT_DAYS * 86400 if start is None else start
     if start >= end:
         raise InvalidInput("'from' must be before 'to'.", "from", "invalid_value")
-    return costs_by_day(session, project_id, start=start, end=end, settings=settings)
+    return await caller.read(lambda session, project_id: costs_by_day(session, project_id, start=start, end=end,
+                                                                      settings=settings))

@@ -4,8 +4,9 @@ from __future__ import annotations
 from typing import Optional
 
 from fastapi import APIRouter, Query
+from sqlalchemy.orm import Session
 
-from api.deps import ProjectDep, SessionDep, SettingsDep
+from api.deps import CallerDep, SettingsDep
 from api.schemas.common import ListPage
 from api.schemas.schedules import (ScheduleCreate, ScheduleDeleted, ScheduleObject, ScheduleRunObject,
                                    ScheduleUpdate)
@@ -48,68 +49,70 @@ def _check_model(model: str, settings: Settings) -> None:
 
 
 @router.post("", response_model=ScheduleObject)
-def create_schedule(body: ScheduleCreate, project_id: ProjectDep, session: SessionDep,
-                    settings: SettingsDep) -> ScheduleObject:
+async def create_schedule(body: ScheduleCreate, caller: CallerDep, settings: SettingsDep) -> ScheduleObject:
     _check_model(body.model, settings)
-    schedule = schedules.create_schedule(
-        session, project_id=project_id, name=body.name, cron=body.cron, timezone_name=body.timezone,
-        endpoint=body.endpoint, model=body.model, source=body.source.model_dump(),
-        prompt_template=body.prompt_template, index_prefix=body.index_prefix,
-        completion_window=body.completion_window, metadata=body.metadata, now=_now())
-    session.commit()
-    return schedule_object(schedule)
+
+    def create(session: Session, project_id: str) -> ScheduleObject:
+        return schedule_object(schedules.create_schedule(
+            session, project_id=project_id, name=body.name, cron=body.cron, timezone_name=body.timezone,
+            endpoint=body.endpoint, model=body.model, source=body.source.model_dump(),
+            prompt_template=body.prompt_template, index_prefix=body.index_prefix,
+            completion_window=body.completion_window, metadata=body.metadata, now=_now()))
+
+    return await caller.run(create)
 
 
 @router.get("", response_model=ListPage[ScheduleObject])
-def list_schedules(project_id: ProjectDep, session: SessionDep, after: Optional[str] = None,
-                   limit: int = Query(20, ge=1, le=100)) -> ListPage[ScheduleObject]:
-    page, has_more = schedules.list_schedules(session, project_id, after=after, limit=limit)
-    return ListPage[ScheduleObject].of([schedule_object(s) for s in page], has_more)
+async def list_schedules(caller: CallerDep, after: Optional[str] = None,
+                         limit: int = Query(20, ge=1, le=100)) -> ListPage[ScheduleObject]:
+    def page(session: Session, project_id: str) -> ListPage[ScheduleObject]:
+        rows, has_more = schedules.list_schedules(session, project_id, after=after, limit=limit)
+        return ListPage[ScheduleObject].of([schedule_object(s) for s in rows], has_more)
+
+    return await caller.read(page)
 
 
 @router.get("/{schedule_id}", response_model=ScheduleObject)
-def retrieve_schedule(schedule_id: str, project_id: ProjectDep, session: SessionDep) -> ScheduleObject:
-    return schedule_object(schedules.get_schedule(session, project_id, schedule_id))
+async def retrieve_schedule(schedule_id: str, caller: CallerDep) -> ScheduleObject:
+    return await caller.read(lambda session, project_id:
+                             schedule_object(schedules.get_schedule(session, project_id, schedule_id)))
 
 
 @router.post("/{schedule_id}", response_model=ScheduleObject)
 @router.patch("/{schedule_id}", response_model=ScheduleObject, include_in_schema=False)
-def update_schedule(schedule_id: str, body: ScheduleUpdate, project_id: ProjectDep, session: SessionDep,
-                    settings: SettingsDep) -> ScheduleObject:
+async def update_schedule(schedule_id: str, body: ScheduleUpdate, caller: CallerDep,
+                          settings: SettingsDep) -> ScheduleObject:
     changes = body.model_dump(exclude_unset=True)
     if changes.get("model") is not None:
         _check_model(changes["model"], settings)
-    schedule = schedules.update_schedule(session, schedules.get_schedule(session, project_id, schedule_id),
-                                         changes, now=_now())
-    session.commit()
-    return schedule_object(schedule)
+    return await caller.run(lambda session, project_id: schedule_object(schedules.update_schedule(
+        session, schedules.get_schedule(session, project_id, schedule_id), changes, now=_now())))
 
 
 @router.delete("/{schedule_id}", response_model=ScheduleDeleted)
-def delete_schedule(schedule_id: str, project_id: ProjectDep, session: SessionDep) -> ScheduleDeleted:
-    schedules.delete_schedule(session, schedules.get_schedule(session, project_id, schedule_id))
-    session.commit()
+async def delete_schedule(schedule_id: str, caller: CallerDep) -> ScheduleDeleted:
+    await caller.run(lambda session, project_id:
+                     schedules.delete_schedule(session, schedules.get_schedule(session, project_id, schedule_id)))
     return ScheduleDeleted(id=schedule_id)
 
 
 @router.post("/{schedule_id}/pause", response_model=ScheduleObject)
-def pause_schedule(schedule_id: str, project_id: ProjectDep, session: SessionDep) -> ScheduleObject:
-    schedule = schedules.pause_schedule(session, schedules.get_schedule(session, project_id, schedule_id),
-                                        now=_now())
-    session.commit()
-    return schedule_object(schedule)
+async def pause_schedule(schedule_id: str, caller: CallerDep) -> ScheduleObject:
+    return await caller.run(lambda session, project_id: schedule_object(schedules.pause_schedule(
+        session, schedules.get_schedule(session, project_id, schedule_id), now=_now())))
 
 
 @router.post("/{schedule_id}/resume", response_model=ScheduleObject)
-def resume_schedule(schedule_id: str, project_id: ProjectDep, session: SessionDep) -> ScheduleObject:
-    schedule = schedules.resume_schedule(session, schedules.get_schedule(session, project_id, schedule_id),
-                                         now=_now())
-    session.commit()
-    return schedule_object(schedule)
+async def resume_schedule(schedule_id: str, caller: CallerDep) -> ScheduleObject:
+    return await caller.run(lambda session, project_id: schedule_object(schedules.resume_schedule(
+        session, schedules.get_schedule(session, project_id, schedule_id), now=_now())))
 
 
 @router.get("/{schedule_id}/runs", response_model=ListPage[ScheduleRunObject])
-def list_runs(schedule_id: str, project_id: ProjectDep, session: SessionDep,
-              limit: int = Query(100, ge=1, le=1000)) -> ListPage[ScheduleRunObject]:
-    runs = schedules.list_runs(session, schedules.get_schedule(session, project_id, schedule_id), limit=limit)
-    return ListPage[ScheduleRunObject].of([run_object(r) for r in runs], False)
+async def list_runs(schedule_id: str, caller: CallerDep,
+                    limit: int = Query(100, ge=1, le=1000)) -> ListPage[ScheduleRunObject]:
+    def page(session: Session, project_id: str) -> ListPage[ScheduleRunObject]:
+        runs = schedules.list_runs(session, schedules.get_schedule(session, project_id, schedule_id), limit=limit)
+        return ListPage[ScheduleRunObject].of([run_object(r) for r in runs], False)
+
+    return await caller.read(page)

@@ -93,6 +93,13 @@ def processes_with_home(home: Path) -> list[int]:
     return pids
 
 
+def db_rows(home: Path, sql: str) -> list[tuple]:
+    import sqlite3
+
+    with sqlite3.connect(home / "nightshift.db", timeout=30) as conn:
+        return conn.execute(sql).fetchall()
+
+
 def wait_until(predicate, timeout: float) -> bool:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -100,3 +107,49 @@ def wait_until(predicate, timeout: float) -> bool:  # noqa: ANN001
             return True
         time.sleep(0.5)
     return False
+
+
+@pytest.mark.slow
+def test_sigterm_stops_serve_within_seconds_and_a_restart_finishes_the_batch(tmp_path):
+    """SIGTERM mid-batch: `serve` and its workers are gone within a few seconds; the shard
+    stopped midway keeps its rows pending, and after a restart the reconciler re-runs it, so
+    every custom_id is answered exactly once."""
+    input_path, expected = small_input(tmp_path / "input.jsonl", n=12)
+    lines = [json.loads(x) for x in input_path.read_text().splitlines()]
+    for line in lines:
+        line["body"]["max_tokens"] = 96
+        line["body"]["ignore_eos"] = True
+    input_path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    home = tmp_path / "home"
+    port = free_port()
+    # Short leases so the restarted service does not wait two minutes for the old one to run out.
+    env = service_env(home, port=port, lease_seconds=6, heartbeat_seconds=1, reconcile_interval_seconds=2,
+                      requeue_pending_after_seconds=5)
+    service = Service(env, tmp_path)
+    argv = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    try:
+        server = service.start("serve", argv)
+        wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)
+        batch_id = nightshift(env, "submit", str(input_path)).stdout.decode().strip()
+        assert wait_until(lambda: db_rows(home, "SELECT status FROM shards") == [("running",)], 120)
+        time.sleep(2)   # the engine is generating now
+
+        started = time.monotonic()
+        server.terminate()
+        server.wait(30)
+        assert wait_until(lambda: not processes_with_home(home), 15), processes_with_home(home)
+        stopped_after = time.monotonic() - started
+        assert stopped_after < 8, f"serve and its workers took {stopped_after:.1f}s to stop"
+        # Stopped midway: the shard was handed back (or still holds its lease), requests unanswered.
+        assert db_rows(home, "SELECT status FROM shards")[0][0] in ("pending", "running")
+        assert db_rows(home, "SELECT count(*) FROM requests WHERE status = 'pending'")[0][0] > 0
+
+        server = service.start("serve-again", argv)
+        wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)
+        assert wait_until(lambda: json.loads(nightshift(env, "status", batch_id).stdout)["status"] == "completed",
+                          300), service.log("serve-again")
+        results = [json.loads(x) for x in nightshift(env, "results", batch_id).stdout.decode().splitlines()]
+        assert sorted(x["custom_id"] for x in results) == sorted(expected)
+        assert all(x["response"]["status_code"] == 200 for x in results)
+    finally:
+        service.stop()

@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import select
 
-from jobs.cost_reports import (batch_cost_report, cost_file_ids, costs_by_day, live_cost_report,
+from jobs.cost_reports import (cost_file_ids, read_cost_report, stored_cost_report_key, costs_by_day, live_cost_report,
                                write_cost_files)
 from jobs.ids import new_id
 from jobs.models import Batch, File, Project, Request
@@ -88,7 +88,7 @@ def test_cost_files_are_exact_sums_and_idempotent(any_db, store, settings_env):
     with sm() as s:
         files = s.scalars(select(File).where(File.id.in_([json_id, csv_id]))).all()
         assert len(files) == 2 and all(f.project_id == pid for f in files)
-        stored = batch_cost_report(s, store, s.get(Batch, batch_id), settings)
+        stored = read_cost_report(store, stored_cost_report_key(s, s.get(Batch, batch_id)))
         csv_file = s.get(File, csv_id)
     assert stored["files"] == first["files"]
     assert stored["tokens"]["prompt_tokens"] == sum(r.prompt_tokens for r in rows)

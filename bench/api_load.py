@@ -1,0 +1,247 @@
+"""API load benchmark: polling clients, concurrent uploads and a large upload, against a
+service this command starts itself while a batch runs on it.
+
+  python -m bench.api_load [--shape embedded|services] [--clients 200] [--seconds 30]
+                           [--interval 1.0] [--uploads 20] [--upload-lines 1000]
+                           [--big-file-lines 50000] [--batch-requests 64]
+
+Each polling client alternates ``GET /v1/batches/{id}`` and ``GET /v1/batches?limit=20``,
+waiting ``--interval`` seconds between its polls (a dashboard polls about once a second;
+``--interval 0`` polls back to back and measures the saturated server). The clients run in
+several processes so the load generator is not the bottleneck. Prints, per kind of request:
+count, requests/s, p50/p95/p99/max latency, 503s (with Retry-After) and errors (anything
+else: timeouts, dropped connections, other statuses). Then the time from uploading a
+``--big-file-lines`` file to its batch being ``in_progress``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import os
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import httpx
+import orjson
+
+from bench.services import running_service
+
+CHAT = "/v1/chat/completions"
+
+
+def request_lines(n: int, max_tokens: int, tag: str = "load", ignore_eos: bool = False) -> bytes:
+    return b"".join(orjson.dumps({
+        "custom_id": f"{tag}-{i}", "method": "POST", "url": CHAT,
+        "body": {"model": "default", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": ignore_eos,
+                 "messages": [{"role": "system", "content": "You answer in one short sentence."},
+                              {"role": "user", "content": f"Tell me a fact about the number {i}."}]}}) + b"\n"
+        for i in range(n))
+
+
+@dataclass
+class Samples:
+    latencies: dict[str, list[float]] = field(default_factory=dict)
+    overloaded: dict[str, int] = field(default_factory=dict)      # 503 with Retry-After
+    errors: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, kind: str, seconds: float, outcome: str) -> None:
+        if outcome == "200":
+            self.latencies.setdefault(kind, []).append(seconds)
+        elif outcome == "503":
+            self.overloaded[kind] = self.overloaded.get(kind, 0) + 1
+        else:
+            bucket = self.errors.setdefault(kind, {})
+            bucket[outcome] = bucket.get(outcome, 0) + 1
+
+    def merge(self, other: "Samples") -> None:
+        for kind, values in other.latencies.items():
+            self.latencies.setdefault(kind, []).extend(values)
+        for kind, n in other.overloaded.items():
+            self.overloaded[kind] = self.overloaded.get(kind, 0) + n
+        for kind, bucket in other.errors.items():
+            mine = self.errors.setdefault(kind, {})
+            for outcome, n in bucket.items():
+                mine[outcome] = mine.get(outcome, 0) + n
+
+
+async def _timed(samples: Samples, kind: str, call) -> None:  # noqa: ANN001
+    """Time one request; ``call()`` is an aiohttp request context (the body is read in full)."""
+    started = time.perf_counter()
+    try:
+        async with call() as response:
+            await response.read()
+            retry_after = "retry-after" in response.headers
+            outcome = "503" if response.status == 503 and retry_after else str(response.status)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        outcome = type(exc).__name__
+    samples.add(kind, time.perf_counter() - started, outcome)
+
+
+def _session(key: str, connections: int) -> aiohttp.ClientSession:
+    # aiohttp rather than httpx here: its client costs several times less CPU per request,
+    # and the load generator shares the machine with the server it measures.
+    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"},
+                                 timeout=aiohttp.ClientTimeout(total=30),
+                                 connector=aiohttp.TCPConnector(limit=connections))
+
+
+async def _poll(base_url: str, key: str, batch_id: str, clients: int, seconds: float, interval: float,
+                offset: int) -> Samples:
+    samples = Samples()
+    async with _session(key, clients) as http:
+        async def client(i: int) -> None:
+            end = time.monotonic() + seconds
+            get_batch = (i + offset) % 2 == 0
+            await asyncio.sleep(interval * i / clients)      # spread the first polls over one interval
+            while time.monotonic() < end:
+                started = time.monotonic()
+                if get_batch:
+                    await _timed(samples, "GET /v1/batches/{id}", lambda: http.get(f"{base_url}/batches/{batch_id}"))
+                else:
+                    await _timed(samples, "GET /v1/batches?limit=20", lambda: http.get(f"{base_url}/batches?limit=20"))
+                get_batch = not get_batch
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+        await asyncio.gather(*(client(i) for i in range(clients)))
+    return samples
+
+
+def _poll_process(args: tuple) -> Samples:
+    return asyncio.run(_poll(*args))
+
+
+async def _uploads(base_url: str, key: str, count: int, lines: int) -> Samples:
+    samples = Samples()
+    data = request_lines(lines, 16, "upload")
+
+    def form(i: int) -> aiohttp.FormData:
+        body = aiohttp.FormData()
+        body.add_field("purpose", "batch")
+        body.add_field("file", data, filename=f"u{i}.jsonl", content_type="application/jsonl")
+        return body
+
+    async with _session(key, count) as http:
+        await asyncio.gather(*(_timed(samples, f"POST /v1/files ({lines} lines)",
+                                      lambda i=i: http.post(f"{base_url}/files", data=form(i)))
+                               for i in range(count)))
+    return samples
+
+
+def _create_batch(http: httpx.Client, data: bytes, name: str) -> str:
+    file_id = http.post("/files", data={"purpose": "batch"}, files={"file": (name, data)}).raise_for_status().json()["id"]
+    return http.post("/batches", json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+                     ).raise_for_status().json()["id"]
+
+
+def _wait_for_engine(http: httpx.Client, batch_id: str, timeout: float = 600) -> None:
+    """Until the batch's first requests are answered: the engine is loaded and generating."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = http.get(f"/batches/{batch_id}").raise_for_status().json()
+        if batch["request_counts"]["completed"] > 0 or batch["status"] not in ("validating", "in_progress"):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"batch {batch_id} produced nothing in {timeout}s")
+
+
+def _big_file_to_in_progress(http: httpx.Client, lines: int) -> tuple[float, float, str]:
+    data = request_lines(lines, 16, "big")
+    started = time.perf_counter()
+    file_id = http.post("/files", data={"purpose": "batch"},
+                        files={"file": ("big.jsonl", data)}).raise_for_status().json()["id"]
+    uploaded = time.perf_counter() - started
+    batch_id = http.post("/batches", json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+                         ).raise_for_status().json()["id"]
+    while True:
+        status = http.get(f"/batches/{batch_id}").raise_for_status().json()["status"]
+        if status != "validating":
+            break
+        time.sleep(0.05)
+    total = time.perf_counter() - started
+    http.post(f"/batches/{batch_id}/cancel")           # the engine need not run it
+    return uploaded, total, status, len(data)
+
+
+def _ms(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1000
+
+
+def report(samples: Samples, seconds: float) -> str:
+    kinds = sorted(set(samples.latencies) | set(samples.overloaded) | set(samples.errors))
+    rows = [f"{'request':34} {'ok':>7} {'req/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+            f"{'503':>6} errors"]
+    for kind in kinds:
+        lat = samples.latencies.get(kind, [])
+        rate = len(lat) / seconds if not kind.startswith("POST") else float("nan")
+        errors = samples.errors.get(kind, {})
+        rows.append(f"{kind:34} {len(lat):7d} {rate:8.1f} {_ms(lat, .5):8.1f} {_ms(lat, .95):8.1f} "
+                    f"{_ms(lat, .99):8.1f} {max(lat, default=float('nan')) * 1000:8.1f} "
+                    f"{samples.overloaded.get(kind, 0):6d} {sum(errors.values())} {errors or ''}")
+    return "\n".join(rows)
+
+
+def run(args: argparse.Namespace) -> Samples:
+    with running_service(args.shape) as service:
+        http = httpx.Client(base_url=service.base_url, headers={"Authorization": f"Bearer {service.api_key}"},
+                            timeout=600)
+        batch_id = _create_batch(http, request_lines(max(1, args.batch_requests), 128, ignore_eos=True),
+                                 "running.jsonl")
+        if args.batch_requests:
+            _wait_for_engine(http, batch_id)
+        else:
+            http.post(f"/batches/{batch_id}/cancel").raise_for_status()
+        print(f"service: {args.shape} at {service.base_url}; batch {batch_id} ({args.batch_requests} requests) "
+              f"running during the load", flush=True)
+        processes = max(1, min(args.processes, args.clients))
+        shares = [args.clients // processes + (i < args.clients % processes) for i in range(processes)]
+        samples = Samples()
+        started = time.perf_counter()
+        with concurrent.futures.ProcessPoolExecutor(processes) as pool:
+            polls = [pool.submit(_poll_process, (service.base_url, service.api_key, batch_id, n, args.seconds,
+                                                 args.interval, i)) for i, n in enumerate(shares)]
+            if args.uploads:
+                samples.merge(asyncio.run(_uploads(service.base_url, service.api_key, args.uploads,
+                                                   args.upload_lines)))
+            for poll in polls:
+                samples.merge(poll.result())
+        elapsed = time.perf_counter() - started
+        batch = http.get(f"/batches/{batch_id}").json()
+        print(f"\n{args.clients} polling clients (interval {args.interval}s) for {args.seconds:.0f}s, "
+              f"{args.uploads} concurrent uploads; batch {batch['status']}, "
+              f"{batch['request_counts']['completed']}/{batch['request_counts']['total']} done, "
+              f"{batch['usage']['output_tokens']} tokens generated")
+        print(report(samples, elapsed))
+        get_batch = samples.latencies.get("GET /v1/batches/{id}", [])
+        errors = sum(sum(b.values()) for b in samples.errors.values())
+        print(f"target: 0 errors, p99 of GET batch < 50 ms -> errors {errors}, p99 {_ms(get_batch, .99):.1f} ms")
+        if args.big_file_lines:
+            uploaded, total, status, size = _big_file_to_in_progress(http, args.big_file_lines)
+            print(f"{args.big_file_lines:,}-line file ({size / 1e6:.1f} MB): uploaded in {uploaded:.2f}s, batch {status} "
+                  f"{total:.2f}s after the upload began")
+        http.post(f"/batches/{batch_id}/cancel")
+        return samples
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.api_load", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=["embedded", "services"], default="embedded")
+    parser.add_argument("--clients", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=30)
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between a client's polls")
+    parser.add_argument("--uploads", type=int, default=20)
+    parser.add_argument("--upload-lines", type=int, default=1000)
+    parser.add_argument("--big-file-lines", type=int, default=50_000)
+    parser.add_argument("--batch-requests", type=int, default=256, help="0: no batch runs during the load")
+    parser.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                        help="load-generator processes")
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

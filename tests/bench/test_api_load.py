@@ -1,0 +1,30 @@
+"""bench.api_load end to end on the embedded service, at a tiny size: it starts the service,
+polls, uploads, times a larger upload to in_progress, and reports no errors."""
+from __future__ import annotations
+
+import pytest
+
+from bench import api_load
+
+
+def test_report_counts_503_apart_from_errors():
+    samples = api_load.Samples()
+    for ms in (1, 2, 3, 4):
+        samples.add("GET x", ms / 1000, "200")
+    samples.add("GET x", 0.01, "503")
+    samples.add("GET x", 30.0, "ReadTimeout")
+    table = api_load.report(samples, seconds=2.0).splitlines()
+    assert table[1].split()[:4] == ["GET", "x", "4", "2.0"]          # 4 answered, 2 per second
+    assert table[1].endswith("     1 1 {'ReadTimeout': 1}")                 # one 503, one error
+
+
+@pytest.mark.slow
+def test_small_run_against_embedded_service(capsys):
+    samples = api_load.run(api_load.argparse.Namespace(
+        shape="embedded", clients=6, seconds=2.0, interval=0.1, uploads=2, upload_lines=10, big_file_lines=200,
+        batch_requests=0, processes=2))
+    out = capsys.readouterr().out
+    assert samples.errors == {}
+    assert len(samples.latencies["GET /v1/batches/{id}"]) > 10
+    assert len(samples.latencies["POST /v1/files (10 lines)"]) == 2
+    assert "200-line file" in out and "batch in_progress" in out
