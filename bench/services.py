@@ -23,7 +23,7 @@ from typing import Iterator, Optional
 
 import httpx
 
-from workers import procs
+from nightshift.workers import procs
 
 PG_ADMIN_URL = os.environ.get("NIGHTSHIFT_BENCH_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("NIGHTSHIFT_BENCH_REDIS_URL", "redis://127.0.0.1:6379/5")
@@ -61,7 +61,7 @@ def postgres_database(admin_url: str = PG_ADMIN_URL) -> Iterator[str]:
     try:
         yield admin_url.rsplit("/", 1)[0] + "/" + name
     finally:
-        from storage.db import dispose_engines
+        from nightshift.storage.db import dispose_engines
 
         dispose_engines()
         with admin.connect() as conn:
@@ -130,7 +130,7 @@ def running_service(shape: str, *, api_workers: int = 2, **settings: object) -> 
         with contextlib.ExitStack() as stack:
             if shape == "embedded":
                 env = procs.service_env(home=home, bootstrap_key=key, **settings)
-                started["serve"] = _start("serve", [sys.executable, "-m", "api.cli", "serve", "--port", str(port),
+                started["serve"] = _start("serve", [sys.executable, "-m", "nightshift.api.cli", "serve", "--port", str(port),
                                                     "--log-level", "warning"], env, work)
                 database_url = None
             elif shape == "services":
@@ -141,9 +141,9 @@ def running_service(shape: str, *, api_workers: int = 2, **settings: object) -> 
                                         object_store="s3", s3_bucket=bucket, s3_endpoint_url=endpoint,
                                         s3_access_key_id="bench", s3_secret_access_key="bench",
                                         s3_addressing_style="path", **settings)
-                subprocess.run([sys.executable, "-m", "api.cli", "migrate"], env=env, cwd=procs.REPO, check=True,
+                subprocess.run([sys.executable, "-m", "nightshift.api.cli", "migrate"], env=env, cwd=procs.REPO, check=True,
                                capture_output=True)
-                started["api"] = _start("api", [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory",
+                started["api"] = _start("api", [sys.executable, "-m", "uvicorn", "nightshift.api.app:create_app", "--factory",
                                                 "--workers", str(api_workers), "--host", "127.0.0.1", "--port",
                                                 str(port), "--log-level", "warning"], env, work)
                 # nice 10, as `nightshift serve` runs it: on one machine the engine stands in for a

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks and measurements of issue 4, in stages, for a lent CUDA machine (engine/kernels/README.md).
+# The GPU checks and measurements, in stages, for a lent CUDA machine (nightshift/engine/kernels/README.md).
 #   bash scripts/gpu_session.sh STAGE...      e.g.  bash scripts/gpu_session.sh env kernels roofline-8b
 # Each stage logs to $LOG_DIR/<stage>.log (default $OUT, else ./gpu-logs) and runs under its own time
 # limit, so one failing stage does not stop the others. The machine needs PyTorch with CUDA, Triton,
@@ -43,23 +43,23 @@ for s in "$@"; do
     env) stage env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
     kernels) stage kernels 240 $PY -m pytest -q -x -p no:cacheprovider tests/engine/kernels tests/engine/quant/test_triton_int4.py ;;
     roofline-8b)
-      stage roofline-8b 200 $PY -m engine.roofline_bench --dummy-weights llama-8b --quantization int4 --device cuda \
+      stage roofline-8b 200 $PY -m bench.roofline_bench --dummy-weights llama-8b --quantization int4 --device cuda \
         --batch-sizes 1,16,64,256 --context 512 --prefill-len 2048 --steps 30
-      stage roofline-8b 120 $PY -m engine.roofline_bench --dummy-weights llama-8b --quantization none --device cuda \
+      stage roofline-8b 120 $PY -m bench.roofline_bench --dummy-weights llama-8b --quantization none --device cuda \
         --dtype bfloat16 --batch-sizes 1,64 --context 512 --prefill-len 2048 --steps 30 ;;
-    bench-8b) stage bench-8b 300 $PY -m engine.bench --device cuda --dummy-weights llama-8b --tokenizer "$TOKENIZER" \
+    bench-8b) stage bench-8b 300 $PY -m bench.engine --device cuda --dummy-weights llama-8b --tokenizer "$TOKENIZER" \
         --dtype bfloat16 --hf-dtype bfloat16 --quantization int4 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --kv-cache-gib 30 --hf-batch-sizes 1,64,128,256 ;;
     greedy)
-      stage greedy 120 $PY -m engine.greedy_check --device cuda --dtype bfloat16
-      stage greedy 120 $PY -m engine.greedy_check --device cuda --dtype float32
-      stage greedy 120 $PY -m engine.greedy_check --device cuda --dtype bfloat16 --quantization int4 ;;
+      stage greedy 120 $PY -m bench.greedy_check --device cuda --dtype bfloat16
+      stage greedy 120 $PY -m bench.greedy_check --device cuda --dtype float32
+      stage greedy 120 $PY -m bench.greedy_check --device cuda --dtype bfloat16 --quantization int4 ;;
     bench-default)
       for q in int4 none; do
-        stage bench-default 200 $PY -m engine.bench --device cuda --dtype bfloat16 --hf-dtype bfloat16 --quantization $q \
+        stage bench-default 200 $PY -m bench.engine --device cuda --dtype bfloat16 --hf-dtype bfloat16 --quantization $q \
           --max-num-seqs 256 --max-num-batched-tokens 8192 --kv-cache-gib 20 --hf-batch-sizes 1,64,128,256
       done ;;
-    roofline-default) stage roofline-default 120 $PY -m engine.roofline_bench --model default --device cuda \
+    roofline-default) stage roofline-default 120 $PY -m bench.roofline_bench --model default --device cuda \
         --quantization int4 --batch-sizes 1,64,256 --context 512 --prefill-len 2048 ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
   esac

@@ -1,9 +1,9 @@
 """BlockManager: allocation, reference counts, hash chaining, LRU eviction."""
 import pytest
 
-from engine.block_manager import ROOT_HASH, BlockManager, chain_hash
-from engine.sequence import Sequence
-from engine.types import GenerationRequest
+from nightshift.engine.block_manager import ROOT_HASH, BlockManager, chain_hash
+from nightshift.engine.sequence import Sequence
+from nightshift.engine.types import GenerationRequest
 
 BS = 4
 

@@ -12,11 +12,11 @@ prefix cache off, and for each prompt run alone.
 import pytest
 import torch
 
-from engine.engine import Engine
-from engine.greedy_check import default_prompts   # the one prompt set (also used on GPU)
-from engine.loader import model_name, resolve_model
-from engine.tokenizer import load_tokenizer
-from engine.types import GenerationRequest, SamplingParams
+from nightshift.engine.engine import Engine
+from bench.greedy_check import default_prompts   # the one prompt set (also used on GPU)
+from nightshift.engine.loader import model_name, resolve_model
+from nightshift.engine.tokenizer import load_tokenizer
+from nightshift.engine.types import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from engine import cpu_attention
+from nightshift.engine import cpu_attention
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale):

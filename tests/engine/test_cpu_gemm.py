@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_gemm
-from engine.layers.linear import DenseLinear
+from nightshift.engine.layers import cpu_gemm
+from nightshift.engine.layers.linear import DenseLinear
 
 needs_onednn = pytest.mark.skipif(not cpu_gemm.available(), reason="torch built without oneDNN")
 

@@ -3,10 +3,10 @@ import threading
 
 import pytest
 
-from engine.engine import Engine
-from engine.loader import model_name, resolve_model
-from engine.tokenizer import load_tokenizer
-from engine.types import GenerationRequest, InvalidRequestError, SamplingParams
+from nightshift.engine.engine import Engine
+from nightshift.engine.loader import model_name, resolve_model
+from nightshift.engine.tokenizer import load_tokenizer
+from nightshift.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
-from engine.config import ModelConfig
-from engine.loader import cache_entry, load_checkpoint, load_model, model_name, resolve_model, source_fingerprint
-from engine.model_runner import ModelRunner, StepItem
+from nightshift.engine.config import ModelConfig
+from nightshift.engine.loader import cache_entry, load_checkpoint, load_model, model_name, resolve_model, source_fingerprint
+from nightshift.engine.model_runner import ModelRunner, StepItem
 
 pytestmark = pytest.mark.slow
 
@@ -169,8 +169,8 @@ def test_hf_directory_logits_match_transformers(make, hf_tokenizer, tmp_path):
 def test_gguf_rope_freqs_divisors_reproduce_llama3_scaling():
     """llama.cpp stores llama3 RoPE scaling as per-frequency divisors (`rope_freqs.weight`);
     dividing by them must give the same tables as the llama3 rule from a HF config."""
-    from engine.gguf_file import hf_name
-    from engine.models.llama import RotaryEmbedding, rope_inv_freq
+    from nightshift.engine.gguf_file import hf_name
+    from nightshift.engine.models.llama import RotaryEmbedding, rope_inv_freq
     base = dict(architecture="llama", hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=16,
                 intermediate_size=128, vocab_size=100, rms_norm_eps=1e-5, rope_theta=500000.0,
                 max_position_embeddings=512, tie_word_embeddings=True)

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from engine.model_runner import ModelRunner, StepItem
+from nightshift.engine.model_runner import ModelRunner, StepItem
 
 pytestmark = pytest.mark.slow
 BLOCK_SIZE = 16
@@ -134,7 +134,7 @@ def test_logits_in_item_order_and_only_where_asked(fp32_model, sequences, refere
 
 
 def test_bf16_runs_and_agrees_roughly(default_model_path, sequences, reference_logits):
-    from engine.loader import load_model
+    from nightshift.engine.loader import load_model
     model = load_model(default_model_path, dtype=torch.bfloat16)
     runner = ModelRunner(model, num_kv_blocks=64, block_size=BLOCK_SIZE)
     tables = scattered_block_tables(sequences, 64)
@@ -222,7 +222,7 @@ def test_shared_prefix_blocks_match_transformers(fp32_model, hf_reference_model,
 
 
 def test_attention_with_lse_math_matches_cpu_kernel():
-    from engine.attention import attention_with_lse, attention_with_lse_math
+    from nightshift.engine.attention import attention_with_lse, attention_with_lse_math
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16)
     mask = torch.zeros(2, 1, 1, 9)

@@ -3,8 +3,8 @@ import math
 
 import torch
 
-from engine.sampler import sample
-from engine.types import SamplingParams
+from nightshift.engine.sampler import sample
+from nightshift.engine.types import SamplingParams
 
 V = 50
 

@@ -6,10 +6,10 @@ test is the real one.
 """
 import random
 
-from engine.block_manager import BlockManager
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, SequenceStatus
-from engine.types import GenerationRequest, SamplingParams
+from nightshift.engine.block_manager import BlockManager
+from nightshift.engine.scheduler import Scheduler
+from nightshift.engine.sequence import Sequence, SequenceStatus
+from nightshift.engine.types import GenerationRequest, SamplingParams
 
 BS = 4
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_hf_dir
+from nightshift.engine.tokenizer import Tokenizer, load_tokenizer, tokenizer_from_hf_dir
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from typing import Optional
 import httpx
 import pytest
 
-from workers import procs
+from nightshift.workers import procs
 
 REPO = procs.REPO
 
@@ -26,7 +26,7 @@ def free_port() -> int:
 
 
 def service_env(home: Path, **values) -> dict[str, str]:
-    """A clean environment for service subprocesses (see workers.procs.service_env) with its own home."""
+    """A clean environment for service subprocesses (see nightshift.workers.procs.service_env) with its own home."""
     return procs.service_env(home=home, **{k: v for k, v in values.items() if v is not None})
 
 
@@ -46,7 +46,7 @@ class Service:
         return proc
 
     def start_api(self, port: int) -> str:
-        self.start("api", [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory",
+        self.start("api", [sys.executable, "-m", "uvicorn", "nightshift.api.app:create_app", "--factory",
                            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
         base = f"http://127.0.0.1:{port}"
         try:
@@ -99,8 +99,8 @@ def new_bucket(endpoint: str) -> str:
 
 
 def make_key(db_url: str, project: str) -> str:
-    from jobs.keys import create_key
-    from storage.db import session_scope
+    from nightshift.jobs.keys import create_key
+    from nightshift.storage.db import session_scope
 
     with session_scope(db_url) as session:
         return create_key(session, project)[1]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 
-from workers.procs import kill_group, service_env, start_worker, stop  # noqa: F401
+from nightshift.workers.procs import kill_group, service_env, start_worker, stop  # noqa: F401
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.5, what: str = "condition"):  # noqa: ANN001

@@ -24,7 +24,7 @@ def _admin_engine():
 @pytest.fixture(scope="session")
 def pg_url():
     """A new Postgres database for this test session, migrated to head; dropped at the end."""
-    from storage.db import dispose_engines, upgrade_head
+    from nightshift.storage.db import dispose_engines, upgrade_head
 
     name = f"nightshift_test_{os.getpid()}_{secrets.token_hex(4)}"
     admin = _admin_engine()
@@ -42,7 +42,7 @@ def pg_url():
 
 
 def clear_tables(url: str) -> None:
-    from storage.db import get_engine
+    from nightshift.storage.db import get_engine
 
     engine = get_engine(url)
     with engine.begin() as conn:
@@ -61,7 +61,7 @@ def pg_db(pg_url):
 
 @pytest.fixture
 def sqlite_db(tmp_path):
-    from storage.db import upgrade_head
+    from nightshift.storage.db import upgrade_head
 
     url = f"sqlite:///{tmp_path / 'nightshift.db'}"
     upgrade_head(url)
@@ -116,8 +116,8 @@ def redis_url():
 @pytest.fixture
 def settings_env(monkeypatch, tmp_path):
     """Point NIGHTSHIFT_* at tmp_path; returns a setter for more env vars. Clears cached settings."""
-    from jobs.settings import get_settings
-    from storage.objectstore import reset_object_store_cache
+    from nightshift.settings import get_settings
+    from nightshift.storage.objectstore import reset_object_store_cache
 
     for key in list(os.environ):
         if key.startswith("NIGHTSHIFT_") and key != "NIGHTSHIFT_MODEL_CACHE":

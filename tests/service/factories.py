@@ -5,9 +5,9 @@ import time
 
 import orjson
 
-from jobs.ids import new_id
-from jobs.models import Batch, BatchStatus, File, Project, Request, RequestStatus, Shard
-from storage.db import session_scope
+from nightshift.jobs.ids import new_id
+from nightshift.jobs.models import Batch, BatchStatus, File, Project, Request, RequestStatus, Shard
+from nightshift.storage.db import session_scope
 
 
 def make_project(db_url: str, name: str | None = None) -> str:

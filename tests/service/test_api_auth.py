@@ -8,9 +8,9 @@ import openai
 import pytest
 from sqlalchemy import update
 
-from jobs.keys import hash_key
-from jobs.models import ApiKey
-from storage.db import session_scope
+from nightshift.jobs.keys import hash_key
+from nightshift.jobs.models import ApiKey
+from nightshift.storage.db import session_scope
 
 from .api_fixtures import api_service, make_key, openai_client, project_client  # noqa: F401
 from .test_api_files import jsonl
@@ -64,7 +64,7 @@ def test_projects_see_only_their_own_objects(api_service):  # noqa: F811
 
 
 def _project_name(service, client) -> str:  # noqa: ANN001
-    from jobs.models import Project
+    from nightshift.jobs.models import Project
 
     with session_scope(service.db_url) as s:
         project_id = s.query(ApiKey.project_id).filter(ApiKey.key_hash == hash_key(client.api_key)).scalar()

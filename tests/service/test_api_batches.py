@@ -9,8 +9,8 @@ import openai
 import pytest
 from sqlalchemy import update
 
-from jobs.models import Batch, Shard
-from storage.db import session_scope
+from nightshift.jobs.models import Batch, Shard
+from nightshift.storage.db import session_scope
 
 from .api_fixtures import api_service, project_client  # noqa: F401
 from .test_api_files import jsonl

@@ -10,12 +10,12 @@ import httpx
 import orjson
 import pytest
 
-from jobs.finalize import finalize_batch
-from jobs.keys import project_for_key
-from jobs.models import Batch, Request
-from jobs.schedules import fire_schedule
-from storage.db import get_sessionmaker, session_scope
-from storage.s3 import S3Store
+from nightshift.jobs.finalize import finalize_batch
+from nightshift.jobs.keys import project_for_key
+from nightshift.jobs.models import Batch, Request
+from nightshift.jobs.schedules import fire_schedule
+from nightshift.storage.db import get_sessionmaker, session_scope
+from nightshift.storage.s3 import S3Store
 from tests.service.factories import make_running_batch
 
 from .api_fixtures import api_service, make_key  # noqa: F401
@@ -154,7 +154,7 @@ def test_batch_cost_live_then_stored_html_and_per_day(api_service, tmp_path):  #
     import sys
 
     def cli(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "api.cli", "cost", batch_id, "--base-url", api_service.base_url,
+        return subprocess.run([sys.executable, "-m", "nightshift.api.cli", "cost", batch_id, "--base-url", api_service.base_url,
                                "--api-key", key, *extra], capture_output=True, text=True, timeout=60,
                               env={**api_service.env, "COLUMNS": "120"})
 
@@ -168,6 +168,6 @@ def test_batch_cost_live_then_stored_html_and_per_day(api_service, tmp_path):  #
     assert cli("--json", "--html", str(html_path)).returncode == 0
     assert "<svg" in html_path.read_text()
     missing = subprocess.run(
-        [sys.executable, "-m", "api.cli", "cost", "batch_nope", "--base-url", api_service.base_url, "--api-key", key],
+        [sys.executable, "-m", "nightshift.api.cli", "cost", "batch_nope", "--base-url", api_service.base_url, "--api-key", key],
         capture_output=True, text=True, timeout=60, env=api_service.env)
     assert missing.returncode != 0 and "404" in missing.stderr

@@ -84,7 +84,7 @@ def test_embedded_serve_survives_polling_burst(tmp_path):
     port = free_port()
     service = Service(service_env(home, port=port), tmp_path)
     try:
-        server = service.start("serve", [sys.executable, "-m", "api.cli", "serve", "--port", str(port),
+        server = service.start("serve", [sys.executable, "-m", "nightshift.api.cli", "serve", "--port", str(port),
                                          "--log-level", "warning"])
         wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)
         base_url, key = f"http://127.0.0.1:{port}/v1", (home / "api_key").read_text().strip()
@@ -98,7 +98,7 @@ def test_uvicorn_workers_on_postgres_survive_polling_burst(pg_db, s3_server, tmp
     service = Service(env, tmp_path)
     port = free_port()
     try:
-        service.start("api", [sys.executable, "-m", "uvicorn", "api.app:create_app", "--factory", "--workers", "2",
+        service.start("api", [sys.executable, "-m", "uvicorn", "nightshift.api.app:create_app", "--factory", "--workers", "2",
                               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
         wait_http(f"http://127.0.0.1:{port}/health", service.procs["api"])
         base_url, key = f"http://127.0.0.1:{port}/v1", make_key(pg_db, "dashboard")

@@ -8,18 +8,18 @@ import orjson
 import pytest
 from sqlalchemy import select, update
 
-from jobs.batches import InvalidTransition, batch_progress, cancel_now, request_cancel, start_finalize_if_done
-from jobs.finalize import finalize_batch
-from jobs.leases import LeaseLost, RequestResult, claim_shard, complete_shard, pending_requests, write_results
-from jobs.models import Batch, File, Request, RequestStatus, Shard
-from jobs.reconcile import expire_batches, reconcile
-from storage.db import session_scope
+from nightshift.jobs.batches import InvalidTransition, batch_progress, cancel_now, request_cancel, start_finalize_if_done
+from nightshift.jobs.finalize import finalize_batch
+from nightshift.jobs.leases import LeaseLost, RequestResult, claim_shard, complete_shard, pending_requests, write_results
+from nightshift.jobs.models import Batch, File, Request, RequestStatus, Shard
+from nightshift.jobs.reconcile import expire_batches, reconcile
+from nightshift.storage.db import session_scope
 from tests.service.factories import make_running_batch
 
 
 @pytest.fixture
 def store(settings_env, tmp_path):
-    from storage.objectstore import get_object_store
+    from nightshift.storage.objectstore import get_object_store
 
     return get_object_store(settings_env(storage_dir=tmp_path / "objects", lease_seconds=30))
 

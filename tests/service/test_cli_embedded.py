@@ -16,7 +16,7 @@ from .api_fixtures import REPO, Service, free_port, service_env, wait_http
 
 def nightshift(env: dict, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run([sys.executable, "-m", "api.cli", *args], env=env, cwd=REPO, capture_output=True,
+        return subprocess.run([sys.executable, "-m", "nightshift.api.cli", *args], env=env, cwd=REPO, capture_output=True,
                               timeout=timeout)
     except subprocess.TimeoutExpired:
         logs = Path(env["NIGHTSHIFT_HOME"]) / "logs"
@@ -41,7 +41,7 @@ def test_serve_submit_wait_results(tmp_path):
     env = service_env(home, port=port)
     service = Service(env, tmp_path)
     try:
-        server = service.start("serve", [sys.executable, "-m", "api.cli", "serve", "--port", str(port),
+        server = service.start("serve", [sys.executable, "-m", "nightshift.api.cli", "serve", "--port", str(port),
                                          "--log-level", "warning"])
         wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)
         assert (home / "api_key").is_file() and (home / "nightshift.db").is_file()
@@ -126,7 +126,7 @@ def test_sigterm_stops_serve_within_seconds_and_a_restart_finishes_the_batch(tmp
     env = service_env(home, port=port, lease_seconds=6, heartbeat_seconds=1, reconcile_interval_seconds=2,
                       requeue_pending_after_seconds=5)
     service = Service(env, tmp_path)
-    argv = [sys.executable, "-m", "api.cli", "serve", "--port", str(port), "--log-level", "warning"]
+    argv = [sys.executable, "-m", "nightshift.api.cli", "serve", "--port", str(port), "--log-level", "warning"]
     try:
         server = service.start("serve", argv)
         wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)

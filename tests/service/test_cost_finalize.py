@@ -11,19 +11,19 @@ import orjson
 import pytest
 from sqlalchemy import select, update
 
-from jobs.batches import start_finalize_if_done
-from jobs.cost_reports import cost_file_ids
-from jobs.finalize import finalize_batch
-from jobs.leases import RequestResult, claim_shard, complete_shard, pending_requests, write_results
-from jobs.models import Batch, File, Request, RequestStatus
-from jobs.reconcile import reconcile
-from storage.db import session_scope
+from nightshift.jobs.batches import start_finalize_if_done
+from nightshift.jobs.cost_reports import cost_file_ids
+from nightshift.jobs.finalize import finalize_batch
+from nightshift.jobs.leases import RequestResult, claim_shard, complete_shard, pending_requests, write_results
+from nightshift.jobs.models import Batch, File, Request, RequestStatus
+from nightshift.jobs.reconcile import reconcile
+from nightshift.storage.db import session_scope
 from tests.service.factories import make_running_batch
 
 
 @pytest.fixture
 def store(settings_env, tmp_path):
-    from storage.objectstore import get_object_store
+    from nightshift.storage.objectstore import get_object_store
 
     return get_object_store(settings_env(storage_dir=tmp_path / "objects", lease_seconds=30,
                                          instance_usd_per_hour='{"cpu": 0.36, "cuda": 3.6}'))

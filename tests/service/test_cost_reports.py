@@ -10,13 +10,13 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import select
 
-from jobs.cost_reports import (cost_file_ids, read_cost_report, stored_cost_report_key, costs_by_day, live_cost_report,
+from nightshift.jobs.cost_reports import (cost_file_ids, read_cost_report, stored_cost_report_key, costs_by_day, live_cost_report,
                                write_cost_files)
-from jobs.ids import new_id
-from jobs.models import Batch, File, Project, Request
-from storage.db import get_sessionmaker
-from storage.localdir import LocalDirStore
-from storage.s3 import S3Store
+from nightshift.jobs.ids import new_id
+from nightshift.jobs.models import Batch, File, Project, Request
+from nightshift.storage.db import get_sessionmaker
+from nightshift.storage.localdir import LocalDirStore
+from nightshift.storage.s3 import S3Store
 
 DAY1 = datetime(2026, 11, 21, 23, 50, tzinfo=timezone.utc).timestamp()
 

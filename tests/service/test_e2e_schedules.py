@@ -17,14 +17,14 @@ import redis
 from celery import Celery
 from sqlalchemy import func, select
 
-from jobs.cost_reports import cost_file_ids
-from jobs.ids import new_id
-from jobs.models import Batch, File, Project, Request
-from jobs.schedule_models import RunStatus, ScheduleRun
-from jobs.schedules import create_schedule
-from storage.db import session_scope
-from storage.s3 import S3Store
-from workers.celery_app import TASK_SCHEDULES_TICK
+from nightshift.jobs.cost_reports import cost_file_ids
+from nightshift.jobs.ids import new_id
+from nightshift.jobs.models import Batch, File, Project, Request
+from nightshift.jobs.schedule_models import RunStatus, ScheduleRun
+from nightshift.jobs.schedules import create_schedule
+from nightshift.storage.db import session_scope
+from nightshift.storage.s3 import S3Store
+from nightshift.workers.celery_app import TASK_SCHEDULES_TICK
 
 from .api_fixtures import Service, new_bucket, s3_env, service_env
 
@@ -48,7 +48,7 @@ def cluster(pg_db, s3_server, tmp_path):
                                  aws_access_key_id="test", aws_secret_access_key="test"), bucket)
     try:
         for name in ("cpu-a", "cpu-b"):   # two cpu workers: the two ticks really run at once
-            service.start(f"worker-{name}", [sys.executable, "-m", "celery", "-A", "workers.celery_app", "worker",
+            service.start(f"worker-{name}", [sys.executable, "-m", "celery", "-A", "nightshift.workers.celery_app", "worker",
                                              "-Q", "cpu", "-c", "1", "-n", f"{name}-{uuid.uuid4().hex[:6]}@%h",
                                              "--loglevel", "INFO"])
         service.start_worker("gpu")

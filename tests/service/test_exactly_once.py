@@ -10,8 +10,8 @@ import orjson
 import pytest
 from sqlalchemy import select
 
-from jobs.models import Batch, File, Request, Shard
-from storage.db import session_scope
+from nightshift.jobs.models import Batch, File, Request, Shard
+from nightshift.storage.db import session_scope
 from tests.service.celery_procs import kill_group, service_env, start_worker, stop, wait_for
 from tests.service.factories import make_batch, make_input_file, make_project
 
@@ -50,8 +50,8 @@ def all_custom_ids(store, db_url: str, bid: str) -> list[str]:  # noqa: ANN001
 
 def test_sigkill_mid_shard_reports_every_custom_id_exactly_once(pg_db, redis_url, s3_server, s3_bucket,
                                                                  settings_env, tmp_path):
-    from storage.objectstore import get_object_store
-    from workers.celery_app import TASK_INGEST, make_celery
+    from nightshift.storage.objectstore import get_object_store
+    from nightshift.workers.celery_app import TASK_INGEST, make_celery
 
     conf = dict(database_url=pg_db, broker_url=redis_url, object_store="s3", s3_bucket=s3_bucket,
                 s3_endpoint_url=s3_server, s3_access_key_id="t", s3_secret_access_key="t",
@@ -94,9 +94,9 @@ def test_sigkill_mid_shard_reports_every_custom_id_exactly_once(pg_db, redis_url
 
 def test_embedded_default_runs_the_same_pipeline(settings_env, tmp_path):
     """SQLite + local folder + filesystem:// broker, one worker with beat: a batch completes."""
-    from storage.db import upgrade_head
-    from storage.objectstore import get_object_store
-    from workers.celery_app import TASK_INGEST, make_celery
+    from nightshift.storage.db import upgrade_head
+    from nightshift.storage.objectstore import get_object_store
+    from nightshift.workers.celery_app import TASK_INGEST, make_celery
 
     home = tmp_path / "home"
     settings = settings_env(home=home)

@@ -8,7 +8,7 @@ import uuid
 
 from kombu import Connection
 
-from workers.filesystem_broker import TMP_PREFIX
+from nightshift.workers.filesystem_broker import TMP_PREFIX
 
 
 def _queue_name() -> str:
@@ -21,7 +21,7 @@ def _connection(folder):  # noqa: ANN001, ANN202
     options = {"data_folder_in": str(folder), "data_folder_out": str(folder), "store_processed": False,
                "control_folder": str(folder / "control"), "polling_interval": 0.01}
     (folder / "control").mkdir(exist_ok=True)
-    return Connection("filesystem://", transport="workers.filesystem_broker:Transport",
+    return Connection("filesystem://", transport="nightshift.workers.filesystem_broker:Transport",
                       transport_options=options)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import func, select
 
-from jobs.ingest import ingest_batch
-from jobs.models import Batch, Request, Shard
-from storage.db import session_scope
+from nightshift.jobs.ingest import ingest_batch
+from nightshift.jobs.models import Batch, Request, Shard
+from nightshift.storage.db import session_scope
 from tests.service.factories import make_batch, make_input_file, make_project
 
 CHAT = "/v1/chat/completions"
@@ -14,7 +14,7 @@ CHAT = "/v1/chat/completions"
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from engine import load_tokenizer
+    from nightshift.engine import load_tokenizer
 
     return load_tokenizer("default")
 
@@ -26,7 +26,7 @@ def chat_line(i: int, system: str = "You are a terse assistant.", model: str = "
 
 
 def test_valid_file_becomes_requests_and_prefix_grouped_shards(any_db, settings_env, tmp_path, tokenizer):
-    from storage.objectstore import get_object_store
+    from nightshift.storage.objectstore import get_object_store
 
     settings = settings_env(storage_dir=tmp_path / "o", shard_token_budget=400)
     store = get_object_store()
@@ -57,7 +57,7 @@ def test_valid_file_becomes_requests_and_prefix_grouped_shards(any_db, settings_
 
 
 def test_invalid_file_fails_batch_with_line_errors(any_db, settings_env, tmp_path, tokenizer):
-    from storage.objectstore import get_object_store
+    from nightshift.storage.objectstore import get_object_store
 
     settings = settings_env(storage_dir=tmp_path / "o")
     store = get_object_store()
@@ -74,7 +74,7 @@ def test_invalid_file_fails_batch_with_line_errors(any_db, settings_env, tmp_pat
 
 
 def test_over_limit_and_missing_file(any_db, settings_env, tmp_path, tokenizer):
-    from storage.objectstore import get_object_store
+    from nightshift.storage.objectstore import get_object_store
 
     settings = settings_env(storage_dir=tmp_path / "o", max_lines=2)
     store = get_object_store()
@@ -92,7 +92,7 @@ def test_over_limit_and_missing_file(any_db, settings_env, tmp_path, tokenizer):
 
 
 def test_ingest_from_s3_into_postgres(pg_db, settings_env, s3_server, s3_bucket, tokenizer):
-    from storage.objectstore import get_object_store
+    from nightshift.storage.objectstore import get_object_store
 
     settings = settings_env(object_store="s3", s3_bucket=s3_bucket, s3_endpoint_url=s3_server,
                             s3_access_key_id="t", s3_secret_access_key="t")
@@ -104,8 +104,8 @@ def test_ingest_from_s3_into_postgres(pg_db, settings_env, s3_server, s3_bucket,
 
 
 def test_cancelled_while_validating_is_not_ingested(any_db, settings_env, tmp_path, tokenizer):
-    from jobs.batches import request_cancel
-    from storage.objectstore import get_object_store
+    from nightshift.jobs.batches import request_cancel
+    from nightshift.storage.objectstore import get_object_store
 
     settings = settings_env(storage_dir=tmp_path / "o")
     store = get_object_store()
@@ -117,7 +117,7 @@ def test_cancelled_while_validating_is_not_ingested(any_db, settings_env, tmp_pa
 
 
 def test_fast_chat_rendering_equals_the_template(tokenizer):
-    from jobs.chat_prompts import ChatPromptRenderer, content_is_verbatim
+    from nightshift.jobs.chat_prompts import ChatPromptRenderer, content_is_verbatim
 
     renderer = ChatPromptRenderer(tokenizer)
     assert renderer.fast
@@ -135,7 +135,7 @@ def test_fast_chat_rendering_equals_the_template(tokenizer):
 
 
 def test_segment_encoder_equals_whole_text_encoding(tokenizer):
-    from jobs.chat_prompts import SegmentEncoder
+    from nightshift.jobs.chat_prompts import SegmentEncoder
 
     enc = SegmentEncoder(tokenizer)
     assert enc.split is not None

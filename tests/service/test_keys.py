@@ -5,9 +5,9 @@ import time
 
 from sqlalchemy import func, select
 
-from jobs.keys import create_key, ensure_key, hash_key, project_for_key
-from jobs.models import ApiKey, Project
-from storage.db import session_scope
+from nightshift.jobs.keys import create_key, ensure_key, hash_key, project_for_key
+from nightshift.jobs.models import ApiKey, Project
+from nightshift.storage.db import session_scope
 
 
 def test_create_and_look_up(any_db):

@@ -6,12 +6,12 @@ import io
 
 import pytest
 
-from jobs import batch_queries, files
-from jobs.errors import NotFound
-from jobs.models import Batch, File
-from jobs.settings import Settings
-from storage.db import session_scope
-from storage.localdir import LocalDirStore
+from nightshift.jobs import batch_queries, files
+from nightshift.jobs.errors import NotFound
+from nightshift.jobs.models import Batch, File
+from nightshift.settings import Settings
+from nightshift.storage.db import session_scope
+from nightshift.storage.localdir import LocalDirStore
 
 from .factories import make_project
 

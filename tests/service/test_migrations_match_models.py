@@ -6,9 +6,9 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-import jobs.schedule_models  # noqa: F401  (its tables are part of the metadata)
-from jobs.models import Base
-from storage.db import get_engine
+import nightshift.jobs.schedule_models  # noqa: F401  (its tables are part of the metadata)
+from nightshift.jobs.models import Base
+from nightshift.storage.db import get_engine
 
 
 @pytest.mark.parametrize("db", ["pg_url", "sqlite_db"])

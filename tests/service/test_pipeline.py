@@ -6,11 +6,11 @@ import orjson
 import pytest
 from sqlalchemy import select
 
-from jobs.batches import batch_progress
-from jobs.finalize import finalize_batch
-from jobs.ingest import ingest_batch
-from jobs.models import Batch, File, Request, Shard
-from storage.db import session_scope
+from nightshift.jobs.batches import batch_progress
+from nightshift.jobs.finalize import finalize_batch
+from nightshift.jobs.ingest import ingest_batch
+from nightshift.jobs.models import Batch, File, Request, Shard
+from nightshift.storage.db import session_scope
 from tests.service.factories import make_batch, make_input_file, make_project
 
 pytestmark = pytest.mark.slow
@@ -21,7 +21,7 @@ SYSTEM = ("You are Nightshift's test assistant. You answer every question with o
 
 @pytest.fixture(scope="session")
 def engine():
-    from workers.engine_host import get_engine
+    from nightshift.workers.engine_host import get_engine
 
     return get_engine()
 
@@ -34,8 +34,8 @@ def line(i: int, **body) -> dict:
 
 
 def run_batch(db_url, store, settings, engine, lines):  # noqa: ANN001
-    from workers.engine_host import engine_device
-    from workers.shard_runner import run_shard
+    from nightshift.workers.engine_host import engine_device
+    from nightshift.workers.shard_runner import run_shard
 
     pid = make_project(db_url)
     bid = make_batch(db_url, pid, make_input_file(db_url, store, pid, lines))
@@ -55,7 +55,7 @@ def read(store, db_url, file_id):  # noqa: ANN001
 
 
 def test_batch_runs_end_to_end_with_isolated_failures(any_db, settings_env, tmp_path, engine):
-    from storage.objectstore import get_object_store
+    from nightshift.storage.objectstore import get_object_store
 
     settings = settings_env(storage_dir=tmp_path / "o")
     store = get_object_store()
@@ -92,8 +92,8 @@ def test_batch_runs_end_to_end_with_isolated_failures(any_db, settings_env, tmp_
 
 
 def test_rerun_of_a_done_shard_writes_nothing(any_db, settings_env, tmp_path, engine):
-    from storage.objectstore import get_object_store
-    from workers.shard_runner import run_shard
+    from nightshift.storage.objectstore import get_object_store
+    from nightshift.workers.shard_runner import run_shard
 
     settings = settings_env(storage_dir=tmp_path / "o")
     store = get_object_store()
@@ -108,9 +108,9 @@ def test_cancel_mid_shard_stops_the_engine_via_heartbeat(pg_db, settings_env, tm
     import threading
     import time
 
-    from jobs.batches import cancel_now, request_cancel
-    from storage.objectstore import get_object_store
-    from workers.shard_runner import run_shard
+    from nightshift.jobs.batches import cancel_now, request_cancel
+    from nightshift.storage.objectstore import get_object_store
+    from nightshift.workers.shard_runner import run_shard
 
     settings = settings_env(storage_dir=tmp_path / "o", heartbeat_seconds=0.3)
     store = get_object_store()

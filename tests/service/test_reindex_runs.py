@@ -9,14 +9,14 @@ import orjson
 import pytest
 from sqlalchemy import select
 
-from jobs.ids import new_id
-from jobs.models import Batch, BatchStatus, File, Project, Request
-from jobs.schedule_models import IndexedDocument, RunStatus, ScheduleRun
-from jobs.schedule_runs import finished_submitted_runs, publish_batch_results, start_run
-from jobs.schedules import create_schedule, fire_due_schedules
-from storage.db import get_sessionmaker
-from storage.localdir import LocalDirStore
-from storage.objectstore import iter_lines
+from nightshift.jobs.ids import new_id
+from nightshift.jobs.models import Batch, BatchStatus, File, Project, Request
+from nightshift.jobs.schedule_models import IndexedDocument, RunStatus, ScheduleRun
+from nightshift.jobs.schedule_runs import finished_submitted_runs, publish_batch_results, start_run
+from nightshift.jobs.schedules import create_schedule, fire_due_schedules
+from nightshift.storage.db import get_sessionmaker
+from nightshift.storage.localdir import LocalDirStore
+from nightshift.storage.objectstore import iter_lines
 
 TEMPLATE = {"messages": [{"role": "user", "content": "Summarize {{ key }}:\n{{ document }}"}],
             "max_tokens": 8}
@@ -219,7 +219,7 @@ def test_too_many_changed_documents_fail_the_run_not_the_tick(pg_db, store, sett
 
 
 def test_tick_restarts_lost_starts_and_publishes_unpublished_batches(pg_db, store, settings_env):
-    from jobs.schedule_runs import schedule_tick
+    from nightshift.jobs.schedule_runs import schedule_tick
 
     settings = settings_env(schedule_start_retry_seconds=120)
     sm = get_sessionmaker(pg_db)
@@ -240,7 +240,7 @@ def test_tick_restarts_lost_starts_and_publishes_unpublished_batches(pg_db, stor
 
 
 def test_run_whose_batch_was_deleted_does_not_block_its_schedule(pg_db, store, settings_env):
-    from jobs.schedule_runs import schedule_tick
+    from nightshift.jobs.schedule_runs import schedule_tick
 
     settings = settings_env()
     sm = get_sessionmaker(pg_db)

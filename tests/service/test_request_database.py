@@ -9,7 +9,7 @@ import anyio
 import pytest
 from sqlalchemy import text
 
-from api.database import Overloaded, RequestDatabase
+from nightshift.api.database import Overloaded, RequestDatabase
 
 
 def _database(settings_env, sqlite_db, **values) -> RequestDatabase:

@@ -8,14 +8,14 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import func, select
 
-from jobs.cron import InvalidScheduleError
-from jobs.ids import new_id
-from jobs.models import Project
-from jobs.schedule_models import RunStatus, Schedule, ScheduleRun
-from jobs.schedules import (ScheduleConflict, ScheduleNotFound, create_schedule, fire_due_schedules,
+from nightshift.jobs.cron import InvalidScheduleError
+from nightshift.jobs.ids import new_id
+from nightshift.jobs.models import Project
+from nightshift.jobs.schedule_models import RunStatus, Schedule, ScheduleRun
+from nightshift.jobs.schedules import (ScheduleConflict, ScheduleNotFound, create_schedule, fire_due_schedules,
                             fire_schedule, get_schedule, list_runs, list_schedules, pause_schedule,
                             resume_schedule, update_schedule)
-from storage.db import get_sessionmaker
+from nightshift.storage.db import get_sessionmaker
 
 
 def ts(*args) -> float:

@@ -6,11 +6,11 @@ import os
 import pytest
 import sqlalchemy as sa
 
-from storage.objectstore import iter_lines
+from nightshift.storage.objectstore import iter_lines
 
 
 def _stores(kind, tmp_path, settings_env, s3_server=None, s3_bucket=None):
-    from storage.objectstore import get_object_store
+    from nightshift.storage.objectstore import get_object_store
 
     if kind == "local":
         return get_object_store(settings_env(storage_dir=tmp_path / "objects"))
@@ -69,7 +69,7 @@ def test_iter_lines_across_chunks():
 
 
 def test_migrations_create_all_tables(any_db):
-    from storage.db import get_engine
+    from nightshift.storage.db import get_engine
 
     names = set(sa.inspect(get_engine(any_db)).get_table_names())
     assert {"projects", "api_keys", "files", "batches", "shards", "requests", "alembic_version"} <= names
@@ -81,7 +81,7 @@ def test_migrations_create_all_tables(any_db):
 def test_migration_downgrade_roundtrip(tmp_path):
     from alembic import command
 
-    from storage.db import alembic_config, get_engine, upgrade_head
+    from nightshift.storage.db import alembic_config, get_engine, upgrade_head
 
     url = f"sqlite:///{tmp_path / 'rt.db'}"
     upgrade_head(url)

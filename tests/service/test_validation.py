@@ -4,9 +4,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from jobs.openai_mapping import RequestBodyError, response_body, sampling_kwargs
-from jobs.sharding import plan_shards
-from jobs.validation import validate_lines
+from nightshift.jobs.openai_mapping import RequestBodyError, response_body, sampling_kwargs
+from nightshift.jobs.sharding import plan_shards
+from nightshift.jobs.validation import validate_lines
 
 CHAT = "/v1/chat/completions"
 MODELS = {"default", "SmolLM2-135M-Instruct"}

@@ -2,7 +2,7 @@
 import orjson
 import pytest
 
-from jobs.reindex import (TemplateRenderError, build_manifest, check_prompt_template,
+from nightshift.jobs.reindex import (TemplateRenderError, build_manifest, check_prompt_template,
                           content_hash, manifest_key, output_key, render_body, request_line,
                           select_changed)
 

@@ -11,7 +11,7 @@ import torch
 
 
 def use_interpreter_without_cuda() -> str:
-    """Call before importing engine.kernels.*: the device the kernel tests run on."""
+    """Call before importing nightshift.engine.kernels.*: the device the kernel tests run on."""
     if torch.cuda.is_available():
         return "cuda"
     os.environ["TRITON_INTERPRET"] = "1"

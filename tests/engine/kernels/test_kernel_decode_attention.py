@@ -10,9 +10,9 @@ from kernel_cases import kernel_dtypes, random_block_tables, random_pool, use_in
 
 DEVICE = use_interpreter_without_cuda()
 
-from engine.kernels.decode_attention import (choose_partition_size, merge_partitions,  # noqa: E402
+from nightshift.engine.kernels.decode_attention import (choose_partition_size, merge_partitions,  # noqa: E402
                                              paged_decode_attention)
-from engine.kernels.reference import decode_attention_reference  # noqa: E402
+from kernel_reference import decode_attention_reference  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

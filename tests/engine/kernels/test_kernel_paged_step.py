@@ -10,10 +10,10 @@ from kernel_cases import random_pool, use_interpreter_without_cuda
 
 DEVICE = use_interpreter_without_cuda()
 
-from engine.kernels.paged import build_paged_metadata, paged_kernel_attention  # noqa: E402
-from engine.kernels.reference import (decode_attention_reference, prefill_attention_reference,  # noqa: E402
+from nightshift.engine.kernels.paged import build_paged_metadata, paged_kernel_attention  # noqa: E402
+from kernel_reference import (decode_attention_reference, prefill_attention_reference,  # noqa: E402
                                       store_kv_reference)
-from engine.kernels.store_kv import store_kv  # noqa: E402
+from nightshift.engine.kernels.store_kv import store_kv  # noqa: E402
 
 
 @dataclass

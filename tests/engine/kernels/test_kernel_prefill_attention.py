@@ -10,8 +10,8 @@ from kernel_cases import kernel_dtypes, random_block_tables, random_pool, use_in
 
 DEVICE = use_interpreter_without_cuda()
 
-from engine.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
-from engine.kernels.reference import prefill_attention_reference  # noqa: E402
+from nightshift.engine.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from kernel_reference import prefill_attention_reference  # noqa: E402
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -9,8 +9,8 @@ from kernel_cases import use_interpreter_without_cuda
 
 DEVICE = use_interpreter_without_cuda()
 
-from engine.dummy_weights import build_dummy_model  # noqa: E402
-from engine.model_runner import ModelRunner, StepItem  # noqa: E402
+from bench.dummy_weights import build_dummy_model  # noqa: E402
+from nightshift.engine.model_runner import ModelRunner, StepItem  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def test_backend_choice_is_validated():
 
 
 def test_kernel_path_gives_the_torch_path_logits(runners, monkeypatch):
-    import engine.kernels.paged as paged
+    import nightshift.engine.kernels.paged as paged
     torch_runner, kernel_runner = runners
     calls = []
     kernel_attention = paged.paged_kernel_attention

@@ -6,8 +6,8 @@ from kernel_cases import kernel_dtypes, random_pool, use_interpreter_without_cud
 
 DEVICE = use_interpreter_without_cuda()
 
-from engine.kernels.reference import store_kv_reference  # noqa: E402
-from engine.kernels.store_kv import store_kv  # noqa: E402
+from kernel_reference import store_kv_reference  # noqa: E402
+from nightshift.engine.kernels.store_kv import store_kv  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", kernel_dtypes())

@@ -4,11 +4,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import DenseLinear
-from engine.quant.awq import quantize_awq
-from engine.quant.calibration import ActivationStats, collect_activation_stats
-from engine.quant.format import quantize_rtn
-from engine.quant.linear import Int4Linear
+from nightshift.engine.layers.linear import DenseLinear
+from nightshift.engine.quant.awq import quantize_awq
+from nightshift.engine.quant.calibration import ActivationStats, collect_activation_stats
+from nightshift.engine.quant.format import quantize_rtn
+from nightshift.engine.quant.linear import Int4Linear
 
 
 def _uneven_activations(rows=256, k=256):
@@ -61,10 +61,10 @@ def test_collect_activation_stats_hooks_dense_layers():
 
 
 def test_build_int4_linear_awq_calibrates_once_and_caches(tmp_path):
-    from engine.layers.linear import WeightSource
-    from engine.quant.cache import quantized_checkpoint_cache
-    from engine.quant.config import QuantConfig
-    from engine.quant.linear import build_int4_linear
+    from nightshift.engine.layers.linear import WeightSource
+    from nightshift.engine.quant.cache import quantized_checkpoint_cache
+    from nightshift.engine.quant.config import QuantConfig
+    from nightshift.engine.quant.linear import build_int4_linear
 
     x = _uneven_activations(rows=64, k=128)
     w = torch.randn(32, 128) * 0.05

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.quant.format import Int4Weight, fitting_group_size, pack_int4, quantize_rtn, unpack_int4
+from nightshift.engine.quant.format import Int4Weight, fitting_group_size, pack_int4, quantize_rtn, unpack_int4
 
 
 def test_pack_unpack_round_trip_all_values():

@@ -5,7 +5,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize, quantize
 
-from engine.quant.gguf_import import int4_from_gguf_blocks, int4_from_gguf_tensor
+from nightshift.engine.quant.gguf_import import int4_from_gguf_blocks, int4_from_gguf_tensor
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])

@@ -3,13 +3,13 @@ degenerates to plain RTN when the calibration inputs are uncorrelated and even."
 import pytest
 import torch
 
-from engine.layers.linear import WeightSource
-from engine.quant.cache import quantized_checkpoint_cache
-from engine.quant.calibration import ActivationStats
-from engine.quant.config import QuantConfig
-from engine.quant.format import quantize_rtn, search_group_grid
-from engine.quant.gptq import quantize_awq_gptq, quantize_gptq
-from engine.quant.linear import build_int4_linear
+from nightshift.engine.layers.linear import WeightSource
+from nightshift.engine.quant.cache import quantized_checkpoint_cache
+from nightshift.engine.quant.calibration import ActivationStats
+from nightshift.engine.quant.config import QuantConfig
+from nightshift.engine.quant.format import quantize_rtn, search_group_grid
+from nightshift.engine.quant.gptq import quantize_awq_gptq, quantize_gptq
+from nightshift.engine.quant.linear import build_int4_linear
 
 
 def _correlated_activations(rows, k=256, seed=0):
@@ -76,7 +76,7 @@ def test_asymmetric_clip_and_refit_beat_symmetric_clip():
     w[:, 0, 0] = 0.4
     q, scales, mins = search_group_grid(w)
     searched = (q * scales.float() + mins.float() - w).pow(2).sum()
-    from engine.quant.format import CLIP_RATIOS, _Candidate
+    from nightshift.engine.quant.format import CLIP_RATIOS, _Candidate
     lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
     symmetric = _Candidate(w, lo, hi)
     for ratio in CLIP_RATIOS[1:]:

@@ -3,13 +3,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_gemm
-from engine.layers.linear import GGUFBlocks, WeightSource
-from engine.quant.cache import quantized_checkpoint_cache
-from engine.quant.config import QuantConfig, resolve_quant_config
-from engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
-from engine.quant.format import quantize_rtn
-from engine.quant.linear import Int4Linear, build_int4_linear
+from nightshift.engine.layers import cpu_gemm
+from nightshift.engine.layers.linear import GGUFBlocks, WeightSource
+from nightshift.engine.quant.cache import quantized_checkpoint_cache
+from nightshift.engine.quant.config import QuantConfig, resolve_quant_config
+from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
+from nightshift.engine.quant.format import quantize_rtn
+from nightshift.engine.quant.linear import Int4Linear, build_int4_linear
 
 
 @pytest.fixture

@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.loader import cache_root, load_model, resolve_model, source_fingerprint
-from engine.model_runner import ModelRunner, StepItem
-from engine.quant import cache as quant_cache
-from engine.quant.config import QuantConfig
-from engine.quant.linear import Int4Linear
+from nightshift.engine.loader import cache_root, load_model, resolve_model, source_fingerprint
+from nightshift.engine.model_runner import ModelRunner, StepItem
+from nightshift.engine.quant import cache as quant_cache
+from nightshift.engine.quant.config import QuantConfig
+from nightshift.engine.quant.linear import Int4Linear
 
 pytestmark = pytest.mark.slow
 
@@ -76,9 +76,9 @@ def test_quantized_checkpoint_is_cached(int4_model, monkeypatch):
 
 
 def test_engine_defaults_to_int4_and_matches_full_precision_greedy(fp32_model):
-    from engine.engine import Engine
-    from engine.tokenizer import load_tokenizer
-    from engine.types import GenerationRequest, SamplingParams
+    from nightshift.engine.engine import Engine
+    from nightshift.engine.tokenizer import load_tokenizer
+    from nightshift.engine.types import GenerationRequest, SamplingParams
 
     tokenizer = load_tokenizer("default")
     engine = Engine.from_pretrained(dtype="float32", max_num_seqs=4)  # quantization left default

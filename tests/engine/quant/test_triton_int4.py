@@ -12,8 +12,8 @@ REPO = Path(__file__).resolve().parents[3]
 
 CHECK = r"""
 import torch
-from engine.quant.format import quantize_rtn
-from engine.quant.triton_int4 import int4_matmul
+from nightshift.engine.quant.format import quantize_rtn
+from nightshift.engine.quant.triton_int4 import int4_matmul
 
 device = DEVICE
 torch.manual_seed(0)
@@ -61,9 +61,9 @@ def test_triton_int4_gemm_on_the_gpu_when_present(monkeypatch):
     if torch.cuda.is_available():
         assert _run("cuda", interpret=False).count("ok") == 13
     else:
-        from engine.quant.format import quantize_rtn
-        from engine.quant.linear import Int4Linear
-        monkeypatch.setitem(sys.modules, "engine.quant.triton_int4", None)  # importing it would fail
+        from nightshift.engine.quant.format import quantize_rtn
+        from nightshift.engine.quant.linear import Int4Linear
+        monkeypatch.setitem(sys.modules, "nightshift.engine.quant.triton_int4", None)  # importing it would fail
         layer = Int4Linear(quantize_rtn(torch.randn(32, 64), 32))
         assert layer(torch.randn(2, 64)).shape == (2, 32)
         assert layer(torch.randn(40, 64)).shape == (40, 32)

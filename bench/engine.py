@@ -1,0 +1,337 @@
+"""`python -m bench.engine`: one fixed synthetic workload through our engine and HF generate().
+
+Workload (issue 2): N requests (default 256), each one shared ~200-token system prompt
+plus a unique 20-60-token user turn, through the model's chat template; O output tokens
+each (default 128), EOS ignored, greedy. Our engine runs them all in one offline
+generate() call. The baseline is transformers' generate() on the same weights and
+machine in the same run: left-padded static batches, greedy, the same output length,
+at each batch size of --hf-batch-sizes; the best output tok/s is the one compared.
+
+Prints output tok/s, total tok/s, TTFT and TPOT p50/p95/p99, prefix-hit rate, and the
+ratio to HF. --quick is a small version that finishes in about a minute.
+On CPU it also prints the run's matmul floor: how long the linear layers and LM head alone take
+on the token rows the run computed (bench/runner.py), the part of the run no attention,
+scheduling or kernel change outside the GEMMs can remove; with the HF baseline, next to the time
+5x the best HF throughput would allow.
+On CUDA (--device, default auto) it also prints decode MBU and prefill MFU of the engine's runner
+(engine/roofline_bench.py; on CPU only with --peak-bandwidth/--peak-flops). --dummy-weights NAME
+runs random weights of a Llama shape (llama-1b, llama-8b) in both our engine and the HF baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+WORDS = ("river mountain quiet lantern copper orchard signal harbor violet meadow engine pocket "
+         "thunder ladder marble garden crystal window shadow compass feather canvas silver rocket "
+         "planet bridge candle forest ocean desert winter summer market museum island castle "
+         "dragon puzzle theory number letter station violin tunnel glacier comet pepper saddle").split()
+
+SYSTEM_SENTENCES = [
+    "You are a helpful, patient and precise assistant working for a small research library.",
+    "Answer every question in plain language and keep each answer short unless asked for detail.",
+    "When a question is ambiguous, say which interpretation you chose before you answer it.",
+    "Never invent citations, quotations, numbers or names; say so when you do not know something.",
+    "Prefer concrete examples over abstract explanations, and give units for every quantity.",
+    "If the user asks for code, write small, readable functions with a one-line docstring each.",
+    "If the user asks for a list, keep it to at most five items and order them by importance.",
+    "Be polite but do not apologise more than once, and never repeat the question back to the user.",
+    "You may use simple Markdown for lists and code, but no tables and no headings.",
+    "Assume the reader is a curious adult without special training in the subject.",
+    "When you are unsure, give your best estimate together with how confident you are in it.",
+    "End every answer with a single sentence that suggests a sensible next question to ask.",
+]
+
+
+def build_workload(tokenizer, num_requests: int, seed: int = 0,
+                   system_tokens: int = 200, user_tokens: tuple[int, int] = (20, 60)) -> list[list[int]]:
+    """Prompt token ids: one shared system prompt (~system_tokens) + a unique user turn each."""
+    rng = random.Random(seed)
+    system = ""
+    for sentence in SYSTEM_SENTENCES * 4:
+        if len(tokenizer.encode(system)) >= system_tokens:
+            break
+        system = f"{system} {sentence}".strip()
+    prompts = []
+    for i in range(num_requests):
+        target = rng.randint(*user_tokens)
+        words = [f"Request {i}:"]
+        while len(tokenizer.encode(" ".join(words))) < target:
+            words.append(rng.choice(WORDS))
+        user = " ".join(words)
+        prompts.append(tokenizer.apply_chat_template([{"role": "system", "content": system},
+                                                      {"role": "user", "content": user}]))
+    return prompts
+
+
+def percentiles(values) -> str:
+    if not len(values):
+        return "n/a"
+    p50, p95, p99 = np.percentile(np.asarray(values, dtype=float) * 1000, [50, 95, 99])
+    return f"p50 {p50:8.1f} ms   p95 {p95:8.1f} ms   p99 {p99:8.1f} ms"
+
+
+@dataclass
+class EngineResult:
+    seconds: float
+    prompt_tokens: int
+    output_tokens: int
+    cached_tokens: int
+    ttft: list[float]
+    tpot: list[float]
+    steps: int
+    preemptions: int
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def run_engine(engine, prompts: list[list[int]], output_len: int) -> EngineResult:
+    from nightshift.engine.types import GenerationRequest, SamplingParams
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    requests = [GenerationRequest(f"req-{i}", p, params) for i, p in enumerate(prompts)]
+    before = engine.stats()
+    start = time.time()
+    outputs = list(engine.generate(requests, offline=True))
+    seconds = time.time() - start
+    after = engine.stats()
+    errors = [o for o in outputs if o.finish_reason == "error"]
+    if errors:
+        raise SystemExit(f"engine rejected {len(errors)} requests, first: {errors[0].error}")
+    ttft = [o.first_token_time - start for o in outputs]
+    tpot = [(o.finish_time - o.first_token_time) / (o.completion_tokens - 1) for o in outputs
+            if o.completion_tokens > 1]
+    return EngineResult(seconds, sum(o.prompt_tokens for o in outputs), sum(o.completion_tokens for o in outputs),
+                        sum(o.cached_prompt_tokens for o in outputs), ttft, tpot,
+                        after.num_steps - before.num_steps, after.num_preemptions - before.num_preemptions)
+
+
+def hf_model_from_cache(model: str, dtype: torch.dtype):
+    """transformers' LlamaForCausalLM on the same float32 weights our loader cached."""
+    from nightshift.engine.loader import load_checkpoint
+    return hf_model_from_checkpoint(load_checkpoint(model), dtype)
+
+
+def hf_model_from_checkpoint(checkpoint, dtype: torch.dtype, device: str = "cpu"):
+    """transformers' LlamaForCausalLM on a checkpoint's weights (ours, or bench.dummy_weights')."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = checkpoint.config
+    if c.architecture != "llama":
+        raise SystemExit(f"the HF baseline here supports llama checkpoints, not {c.architecture!r}")
+    config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                         num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                         max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                         rope_theta=c.rope_theta, rope_scaling=c.rope_scaling,
+                         tie_word_embeddings=c.tie_word_embeddings, bos_token_id=c.bos_token_id,
+                         eos_token_id=c.eos_token_ids[0] if c.eos_token_ids else None)
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(config)
+    state = {name: checkpoint.tensor(name) for name in checkpoint.names()}
+    if c.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    hf.load_state_dict(state, strict=False, assign=True)
+    if c.tie_word_embeddings:
+        hf.tie_weights()
+    missing = [n for n, p in hf.named_parameters() if p.is_meta]
+    if missing:
+        raise SystemExit(f"HF baseline: weights missing from the checkpoint: {missing[:5]}")
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=config)  # buffers were created on meta
+    return hf.to(device=device, dtype=dtype).eval()
+
+
+@torch.inference_mode()
+def run_hf(hf, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> tuple[float, int, int]:
+    """Left-padded static batches over `prompts`; returns (seconds, output tokens, prompt tokens)."""
+    device = next(hf.parameters()).device
+    start = time.time()
+    produced = 0
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first:first + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                          min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id)
+        produced += (out.shape[1] - width) * len(batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.time() - start, produced, sum(len(p) for p in prompts)
+
+
+def print_matmul_floor(engine, result: EngineResult, num_requests: int) -> Optional[float]:
+    """On CPU: seconds the run's matmuls alone would take (bench/runner.py's matmul floor
+    at the engine's step size, over the rows the run computed), printed with its share of the
+    run; None elsewhere (the floor is timed without device syncs)."""
+    if engine.runner.device.type != "cpu":
+        return None
+    from bench.runner import workload_matmul_seconds
+    uncached = result.prompt_tokens - result.cached_tokens
+    logits_rows, other_rows = result.output_tokens, max(0, uncached - num_requests)
+    decode_rows = min(engine.config.max_num_seqs, num_requests)           # a full decode step
+    prefill_rows = max(1, min(engine.config.max_num_batched_tokens, other_rows))   # a full prefill step
+    floor = workload_matmul_seconds(engine.runner.model, logits_rows, other_rows, decode_rows, prefill_rows)
+    print(f"matmul floor {floor:.1f} s = {floor / result.seconds:.0%} of the run: the linear layers and LM head "
+          f"alone on its {logits_rows + other_rows} token rows ({logits_rows} with logits, at {decode_rows}-row "
+          f"steps; the rest at {prefill_rows}-row steps without the LM head)")
+    return floor
+
+
+def print_roofline(engine, args, prompt_len: int, output_len: int) -> None:
+    """Decode MBU and prefill MFU of the engine's own runner (engine/roofline_bench.py): decode at
+    the workload's batch (as many sequences as the KV pool holds) and mid-generation context,
+    prefill of one --roofline-prefill-len prompt. Runs after the workload: it overwrites KV blocks."""
+    from bench.roofline import device_peak
+    from bench.roofline_bench import measure_decode, measure_prefill
+    runner = engine.runner
+    if runner.device.type == "cuda":
+        name = torch.cuda.get_device_name(runner.device)
+    elif args.peak_bandwidth is None or args.peak_flops is None:
+        return
+    else:
+        name = "CPU"
+    peak = device_peak(name, args.peak_bandwidth, args.peak_flops)
+    context = prompt_len + output_len // 2
+    per_seq = -(-context // runner.block_size)
+    batch = max(1, min(args.num_requests_run, engine.config.max_num_seqs, runner.num_kv_blocks // per_seq))
+    prefill = min(args.roofline_prefill_len, runner.max_model_len, runner.num_kv_blocks * runner.block_size)
+    print(f"\n== roofline on {name} (peak {peak.bandwidth / 1e12:.2f} TB/s, {peak.bf16_flops / 1e12:.0f} TFLOP/s) ==")
+    print(measure_decode(runner, batch, context, 10, peak).line("GB/s", "MBU"))
+    print(measure_prefill(runner, 1, prefill, 3, peak).line("GFLOP/s", "MFU"))
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+DUMMY_MAX_POSITIONS = 8192   # context of --dummy-weights models (the workload needs < 400 tokens)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--dummy-weights", metavar="NAME", help="random weights of a Llama shape (llama-1b, "
+                        "llama-8b, llama-tiny; engine/dummy_weights.py) instead of --model, default tokenizer")
+    parser.add_argument("--tokenizer", default="default", help="with --dummy-weights: the tokenizer's model, or "
+                        "a directory written by Tokenizer.save (default: the default model's)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda (engine and HF baseline)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size (default: the engine's)")
+    parser.add_argument("--roofline-prefill-len", type=int, default=2048, help="prompt length of the MFU step")
+    parser.add_argument("--peak-bandwidth", type=float, help="bytes/s for MBU (default: by CUDA device name)")
+    parser.add_argument("--peak-flops", type=float, help="dense bf16 FLOP/s for MFU (default: by CUDA device name)")
+    parser.add_argument("--quick", action="store_true", help="small workload, about a minute in all")
+    parser.add_argument("--num-requests", type=int, help="requests (default 256; --quick 32)")
+    parser.add_argument("--output-len", type=int, help="output tokens per request (default 128; --quick 32)")
+    parser.add_argument("--quantization", choices=("none", "int4"), default="none")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="engine dtype (default: the engine's default)")
+    parser.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--hf-batch-sizes", default=None, help="comma list (default 1,8,32,64; --quick 1,8,32)")
+    parser.add_argument("--hf-requests", type=int, default=None,
+                        help="requests per HF batch size (default: one batch of that size; at least one)")
+    parser.add_argument("--skip-hf", action="store_true", help="only our engine")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    num_requests = args.num_requests or (32 if args.quick else 256)
+    output_len = args.output_len or (32 if args.quick else 128)
+    hf_sizes = [int(x) for x in (args.hf_batch_sizes or ("1,8,32" if args.quick else "1,8,32,64")).split(",")]
+    torch.set_num_threads(args.threads)
+
+    from nightshift.engine.engine import Engine, resolve_device
+    from nightshift.engine.tokenizer import load_tokenizer
+
+    device = resolve_device(args.device)
+    config = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
+                                ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    if args.kv_cache_gib is not None:
+        config["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
+    t0 = time.time()
+    if args.dummy_weights:
+        from bench.dummy_weights import dummy_engine
+        engine = dummy_engine(args.dummy_weights, quantization=args.quantization, device=device, dtype=args.dtype,
+                              seed=args.seed, max_position_embeddings=DUMMY_MAX_POSITIONS, tokenizer=args.tokenizer,
+                              **config)
+    else:
+        engine = Engine.from_pretrained(args.model, quantization=args.quantization, device=device, dtype=args.dtype,
+                                        **config)
+    load_seconds = time.time() - t0
+    tokenizer = load_tokenizer(args.tokenizer if args.dummy_weights else args.model)
+    prompts = build_workload(tokenizer, num_requests, args.seed)
+    lengths = [len(p) for p in prompts]
+    print(f"machine: {machine()}")
+    print(f"model: {engine.model_name}  quantization={args.quantization}  dtype={engine.runner.dtype}  "
+          f"load {load_seconds:.1f} s")
+    print(f"engine: max_num_seqs={engine.config.max_num_seqs} max_num_batched_tokens="
+          f"{engine.config.max_num_batched_tokens} block_size={engine.config.block_size} "
+          f"kv_blocks={engine.runner.num_kv_blocks}")
+    print(f"workload: {num_requests} requests, prompt tokens min/mean/max {min(lengths)}/"
+          f"{sum(lengths) / len(lengths):.0f}/{max(lengths)}, {output_len} output tokens each, EOS ignored")
+
+    run_engine(engine, prompts[:2], 2)  # warm-up (first-call allocations); not counted
+    result = run_engine(engine, prompts, output_len)
+    total_tps = (result.prompt_tokens + result.output_tokens) / result.seconds
+    print("\n== nightshift engine ==")
+    print(f"time {result.seconds:.1f} s   steps {result.steps}   preemptions {result.preemptions}")
+    print(f"output tok/s {result.output_tps:9.1f}   total tok/s {total_tps:9.1f}")
+    print(f"TTFT {percentiles(result.ttft)}")
+    print(f"TPOT {percentiles(result.tpot)}")
+    print(f"prefix-hit rate {result.cached_tokens / result.prompt_tokens:.1%} "
+          f"({result.cached_tokens} of {result.prompt_tokens} prompt tokens)")
+    args.num_requests_run = num_requests
+    print_roofline(engine, args, round(sum(lengths) / len(lengths)), output_len)
+    floor = print_matmul_floor(engine, result, num_requests)
+    if args.skip_hf:
+        return
+
+    hf_dtype = getattr(torch, args.hf_dtype)
+    dummy_config = engine.runner.config if args.dummy_weights else None
+    del engine
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    if args.dummy_weights:  # the same random weights (same shape, seed and names) in transformers
+        from bench.dummy_weights import DummyCheckpoint
+        hf = hf_model_from_checkpoint(DummyCheckpoint(dummy_config, seed=args.seed, device=device), hf_dtype, device)
+    else:
+        hf = hf_model_from_cache(args.model, hf_dtype).to(device)
+    pad_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
+    print(f"\n== HF transformers generate() ({args.hf_dtype}, left-padded static batches, greedy) ==")
+    best = None
+    for size in hf_sizes:
+        count = max(size, args.hf_requests or size)
+        seconds, produced, prompt_tokens = run_hf(hf, prompts[:count], output_len, size, pad_id)
+        tps = produced / seconds
+        print(f"batch {size:3d}: {count} requests in {seconds:6.1f} s   output tok/s {tps:8.1f}   "
+              f"total tok/s {(produced + prompt_tokens) / seconds:8.1f}")
+        if best is None or tps > best[1]:
+            best = (size, tps)
+    print(f"\nratio: engine output tok/s / best HF (batch {best[0]}) = {result.output_tps / best[1]:.2f}x")
+    if floor is not None:
+        print(f"5x the best HF would be {5 * best[1]:.1f} output tok/s: this run in "
+              f"{result.output_tokens / (5 * best[1]):.1f} s, against a matmul floor of {floor:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,9 +1,0 @@
-"""INT4 weight-only quantization (format and kernels: see README.md in this folder)."""
-from engine.quant.config import QuantConfig, resolve_quant_config
-from engine.quant.format import Int4Weight, pack_int4, quantize_rtn, unpack_int4
-from engine.quant.gguf_import import int4_from_gguf_blocks, int4_from_gguf_tensor
-from engine.quant.linear import Int4Linear, build_int4_linear
-
-__all__ = ["QuantConfig", "resolve_quant_config", "Int4Weight", "pack_int4", "unpack_int4",
-           "quantize_rtn", "int4_from_gguf_blocks", "int4_from_gguf_tensor", "Int4Linear",
-           "build_int4_linear"]

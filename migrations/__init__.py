@@ -1,1 +1,0 @@
-"""Alembic environment and revisions (run through storage.db.upgrade_head or `alembic upgrade head`)."""

@@ -1,0 +1,1 @@
+"""Nightshift: self-hosted, OpenAI-compatible batch inference (api, jobs, workers, engine, storage)."""

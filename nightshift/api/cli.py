@@ -1,0 +1,145 @@
+"""The ``nightshift`` command.
+
+  nightshift serve [--host H] [--port 8000]   API + Celery workers + beat, one process tree
+  nightshift migrate                           alembic upgrade head on the configured database
+  nightshift keys create --project NAME        print a new API key for the project
+  nightshift submit FILE [--endpoint E] [--wait]   upload + create a batch; prints the batch id
+  nightshift status BATCH_ID                   the batch object as JSON
+  nightshift results BATCH_ID [--which all|output|errors]   result lines to stdout
+  nightshift cost BATCH_ID [--json|--csv] [--html FILE]   the batch's cost report
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+from nightshift.api.cli_client import BatchClient, resolve_api_key, resolve_base_url
+from nightshift.api.cli_cost import add_cost_command
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from nightshift.api.embedded import serve
+
+    return serve(host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _cmd_migrate(_: argparse.Namespace) -> int:
+    from nightshift.settings import get_settings
+    from nightshift.storage.db import upgrade_head
+
+    upgrade_head(get_settings().resolved_database_url)
+    print("database is at the newest schema", file=sys.stderr)
+    return 0
+
+
+def _cmd_keys_create(args: argparse.Namespace) -> int:
+    from nightshift.jobs.keys import create_key
+    from nightshift.settings import get_settings
+    from nightshift.storage.db import session_scope, upgrade_head
+
+    url = get_settings().resolved_database_url
+    upgrade_head(url)
+    with session_scope(url) as session:
+        _, secret = create_key(session, args.project, name=args.name)
+    print(secret)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> BatchClient:
+    return BatchClient(resolve_base_url(args.base_url), resolve_api_key(args.api_key))
+
+
+def _cmd_submit(args: argparse.Namespace) -> int:
+    client = _client(args)
+    batch = client.submit(args.file, endpoint=args.endpoint)
+    if args.wait:
+        batch = client.wait(batch["id"], show_progress=not args.quiet)
+        print(f"batch {batch['id']}: {batch['status']}, request_counts {batch['request_counts']}", file=sys.stderr)
+        for error in (batch.get("errors") or {}).get("data", []):
+            print(f"  line {error.get('line')}: {error.get('message')} [{error.get('code')}]", file=sys.stderr)
+    print(batch["id"])
+    return 0 if batch["status"] not in ("failed", "expired", "cancelled") else 1
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    print(json.dumps(_client(args).batch(args.batch_id), indent=2))
+    return 0
+
+
+def _cmd_results(args: argparse.Namespace) -> int:
+    client = _client(args)
+    batch = client.batch(args.batch_id)
+    if not (batch.get("output_file_id") or batch.get("error_file_id")):
+        print(f"batch {batch['id']} is {batch['status']}: no result files (yet)", file=sys.stderr)
+        return 1
+    wanted = {"all": ("output_file_id", "error_file_id"), "output": ("output_file_id",),
+              "errors": ("error_file_id",)}[args.which]
+    out = sys.stdout.buffer
+    for field in wanted:
+        if batch.get(field):
+            for chunk in client.file_content(batch[field]):
+                out.write(chunk)
+    out.flush()
+    return 0
+
+
+def _add_client_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", help="API base, e.g. http://127.0.0.1:8000/v1 (env NIGHTSHIFT_BASE_URL)")
+    p.add_argument("--api-key", help="API key (env NIGHTSHIFT_API_KEY; default: the local server's key)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nightshift", description="Self-hosted OpenAI-compatible batch inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run API, workers and beat (embedded default: no services needed)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=int(os.environ.get("NIGHTSHIFT_PORT", "8000")))
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser("migrate", help="alembic upgrade head on the configured database")
+    p.set_defaults(func=_cmd_migrate)
+
+    keys = sub.add_parser("keys", help="API keys").add_subparsers(dest="keys_command", required=True)
+    p = keys.add_parser("create", help="create a key for a project (the project is created if new)")
+    p.add_argument("--project", required=True)
+    p.add_argument("--name", default=None, help="a label for the key")
+    p.set_defaults(func=_cmd_keys_create)
+
+    p = sub.add_parser("submit", help="upload a JSONL file and create a batch; prints the batch id")
+    p.add_argument("file")
+    p.add_argument("--endpoint", default=None, help="default: the url of the file's first line")
+    p.add_argument("--wait", action="store_true", help="wait for the batch to finish, with a progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_client_options(p)
+    p.set_defaults(func=_cmd_submit)
+
+    p = sub.add_parser("status", help="print the batch object")
+    p.add_argument("batch_id")
+    _add_client_options(p)
+    p.set_defaults(func=_cmd_status)
+
+    p = sub.add_parser("results", help="print the batch's result lines (output, then errors)")
+    p.add_argument("batch_id")
+    p.add_argument("--which", choices=("all", "output", "errors"), default="all")
+    _add_client_options(p)
+    p.set_defaults(func=_cmd_results)
+
+    add_cost_command(sub, _add_client_options)   # nightshift cost BATCH_ID (issue 6)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

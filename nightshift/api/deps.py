@@ -1,0 +1,79 @@
+"""Request-scoped dependencies: settings, the object store, and the caller (API key + a way to
+run database work as the caller's project). None of them holds a database connection: the
+work passed to ``Caller.run`` opens and closes its own session in one thread (api/database.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Callable, TypeVar
+
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session
+
+from nightshift.api.database import RequestDatabase
+from nightshift.api.errors import APIError
+from nightshift.jobs.keys import project_for_key
+from nightshift.settings import Settings, get_settings
+from nightshift.storage.objectstore import ObjectStore, get_object_store
+
+T = TypeVar("T")
+
+
+async def _settings() -> Settings:
+    return get_settings()
+
+
+SettingsDep = Annotated[Settings, Depends(_settings)]
+
+
+async def _store(settings: SettingsDep) -> ObjectStore:
+    return get_object_store(settings)
+
+
+StoreDep = Annotated[ObjectStore, Depends(_store)]
+
+
+async def _database(request: Request) -> RequestDatabase:
+    return request.app.state.database
+
+
+DatabaseDep = Annotated[RequestDatabase, Depends(_database)]
+
+
+def _masked(key: str) -> str:
+    return key[:6] + "*" * 4 + key[-4:] if len(key) > 12 else "*" * len(key)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The bearer of an API key. ``run(work)`` resolves the key to its project and calls
+    ``work(session, project_id)`` in the same session (401 for an unknown or revoked key);
+    the session commits when ``work`` returns."""
+
+    key: str
+    database: RequestDatabase
+
+    async def run(self, work: Callable[[Session, str], T], *, read_only: bool = False) -> T:
+        return await self.database.run(lambda session: work(session, self._project(session)), read_only=read_only)
+
+    async def read(self, work: Callable[[Session, str], T]) -> T:
+        return await self.run(work, read_only=True)
+
+    def _project(self, session: Session) -> str:
+        project_id = project_for_key(session, self.key)
+        if project_id is None:
+            raise APIError(401, f"Incorrect API key provided: {_masked(self.key)}.", code="invalid_api_key")
+        return project_id
+
+
+async def _caller(request: Request, database: DatabaseDep) -> Caller:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        raise APIError(401, "You didn't provide an API key. You need to provide your API key in an "
+                            "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+    return Caller(key, database)
+
+
+CallerDep = Annotated[Caller, Depends(_caller)]

@@ -1,0 +1,90 @@
+"""/v1/batches: create, list, retrieve, cancel."""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+from fastapi import APIRouter, Query
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from nightshift.api.deps import CallerDep, SettingsDep
+from nightshift.api.schemas.batches import BatchCreate, BatchObject
+from nightshift.api.schemas.common import ListPage
+from nightshift.jobs import batch_queries
+from nightshift.jobs.batches import BatchProgress, batch_progress
+from nightshift.jobs.models import Batch
+from nightshift.workers.dispatch import enqueue_cancel, enqueue_ingest
+
+router = APIRouter(prefix="/v1/batches", tags=["batches"])
+log = logging.getLogger(__name__)
+
+
+def _wake(send: Callable[[str], None], batch_id: str) -> None:
+    """Publish a wake-up after the commit. If the broker is unreachable the batch is still
+    created/cancelled in the database, and the beat reconciler sends the message later."""
+    try:
+        send(batch_id)
+    except Exception:  # noqa: BLE001 - any broker failure; the database already holds the truth
+        log.exception("could not publish %s for %s; the reconciler will retry", send.__name__, batch_id)
+
+
+def _ts(value: Optional[float]) -> Optional[int]:
+    return int(value) if value is not None else None
+
+
+def batch_object(batch: Batch, progress: BatchProgress) -> BatchObject:
+    return BatchObject(
+        id=batch.id, endpoint=batch.endpoint, model=batch.model, errors=batch.errors,
+        input_file_id=batch.input_file_id, completion_window=batch.completion_window, status=batch.status,
+        output_file_id=batch.output_file_id, error_file_id=batch.error_file_id,
+        created_at=int(batch.created_at), in_progress_at=_ts(batch.in_progress_at),
+        expires_at=_ts(batch.expires_at), finalizing_at=_ts(batch.finalizing_at),
+        completed_at=_ts(batch.completed_at), failed_at=_ts(batch.failed_at), expired_at=_ts(batch.expired_at),
+        cancelling_at=_ts(batch.cancelling_at), cancelled_at=_ts(batch.cancelled_at),
+        request_counts=progress.request_counts(), usage=progress.usage(), metadata=batch.metadata_,
+        progress=progress.progress())
+
+
+def _one(session, batch: Batch) -> BatchObject:  # noqa: ANN001
+    return batch_object(batch, batch_progress(session, [batch])[batch.id])
+
+
+@router.post("", response_model=BatchObject)
+async def create_batch(body: BatchCreate, caller: CallerDep, settings: SettingsDep) -> BatchObject:
+    def create(session: Session, project_id: str) -> BatchObject:
+        batch = batch_queries.create_batch(
+            session, settings, project_id=project_id, input_file_id=body.input_file_id, endpoint=body.endpoint,
+            completion_window=body.completion_window, metadata=body.metadata,
+            output_expires_after_seconds=body.output_expires_after.seconds if body.output_expires_after else None)
+        return _one(session, batch)
+
+    batch = await caller.run(create)
+    await run_in_threadpool(_wake, enqueue_ingest, batch.id)  # after the commit: the worker must find the row
+    return batch
+
+
+@router.get("", response_model=ListPage[BatchObject])
+async def list_batches(caller: CallerDep, after: Optional[str] = None,
+                       limit: int = Query(20, ge=1, le=100)) -> ListPage[BatchObject]:
+    def page(session: Session, project_id: str) -> ListPage[BatchObject]:
+        batches, has_more = batch_queries.list_batches(session, project_id, after=after, limit=limit)
+        progress = batch_progress(session, batches)
+        return ListPage[BatchObject].of([batch_object(b, progress[b.id]) for b in batches], has_more)
+
+    return await caller.read(page)
+
+
+@router.get("/{batch_id}", response_model=BatchObject)
+async def retrieve_batch(batch_id: str, caller: CallerDep) -> BatchObject:
+    return await caller.read(lambda session, project_id:
+                             _one(session, batch_queries.get_batch(session, project_id, batch_id)))
+
+
+@router.post("/{batch_id}/cancel", response_model=BatchObject)
+async def cancel_batch(batch_id: str, caller: CallerDep) -> BatchObject:
+    batch = await caller.run(lambda session, project_id:
+                             _one(session, batch_queries.cancel_batch(session, project_id, batch_id)))
+    if batch.status == "cancelling":
+        await run_in_threadpool(_wake, enqueue_cancel, batch.id)  # after the commit
+    return batch

@@ -1,0 +1,201 @@
+"""Paged attention in plain torch: the KV-store step and attention over a sequence's blocks.
+
+KV pool per layer: k_cache, v_cache `[num_blocks, block_size, kv_heads, head_dim]`; token at
+position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`
+of the flattened pool. Attention only ever reads a sequence's valid positions (gathered by slot
+index) and never repeats K/V per query head: the query heads that share a KV head are folded
+into the query dimension instead. On CPU in float32, decode rows go through the C kernel of
+engine/cpu_attention.py when it is built (it reads the blocks in place). The Triton kernels of engine/kernels/ take over on CUDA: store_kv by
+device, attention when the runner sets `meta.paged` (ModelRunner attention_backend="triton").
+
+Decode batches whose sequences share leading KV blocks (a common system prompt, via the prefix
+cache) use cascade attention: the shared prefix is read once for all queries, each sequence's own
+suffix separately, and the two partial results are merged by their log-sum-exps. On CPU, reading
+(gathering) K/V is what decode attention costs, so this roughly halves it on the benchmark workload.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from nightshift.engine.kernels.paged import PagedKernelMetadata
+
+
+@dataclass
+class PrefillSpan:
+    """A sequence with several new tokens: rows [row_start, row_end) of the flat batch."""
+    row_start: int
+    row_end: int
+    start_pos: int                          # tokens already in the cache before this step
+    context_slots: Optional[torch.Tensor]   # [start_pos + n] slots of every position; None if start_pos == 0
+    # additive causal mask (0 / -inf, model dtype) `[n * group, start_pos + n]`, rows ordered like
+    # `_grouped` queries (position-major, `group` query heads per KV head); None if start_pos == 0
+    mask: Optional[torch.Tensor]
+
+
+@dataclass
+class DecodeGroup:
+    """Decode sequences attended in one call: rows [row_start, row_end) of the decode batch."""
+    row_start: int
+    row_end: int
+    slots: torch.Tensor                     # [B, L] slots of the positions after the shared prefix
+    mask: Optional[torch.Tensor] = None     # [B, 1, 1, L] additive float mask (0 / -inf); None: all valid
+
+
+@dataclass
+class DecodeBatch:
+    """Decode sequences (one new token each) at rows [row_start, row_end) of the flat batch, sorted
+    by context length. `prefix_slots`: positions 0..P-1, the same blocks for every sequence here."""
+    row_start: int
+    row_end: int
+    groups: list[DecodeGroup]                      # rows relative to row_start
+    prefix_slots: Optional[torch.Tensor] = None    # [P], P < every sequence's length
+
+
+@dataclass
+class KernelDecodeRows:
+    """Decode rows [0, num_rows) of the flat batch for the CPU kernel (engine/cpu_attention.py)."""
+    num_rows: int
+    block_tables: torch.Tensor              # [num_rows, width] int32, zero-padded
+    context_lens: torch.Tensor              # [num_rows] int32, the new token included
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor              # [T] where each new token's K/V is written
+    # set when decode rows go through the CPU kernel; `decode` is then empty
+    kernel_decode: Optional[KernelDecodeRows] = None
+    decode: list[DecodeBatch] = field(default_factory=list)     # rows first in the batch, in order
+    prefills: list[PrefillSpan] = field(default_factory=list)   # then these, in row order
+    # set when this step runs on the Triton kernels (engine/kernels/paged.py); decode/prefills unused then
+    paged: Optional["PagedKernelMetadata"] = None
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write new K/V `[T, kv_heads, head_dim]` into the pool at `slot_mapping` `[T]`."""
+    if k_cache.is_cuda:  # the Triton kernel (engine/kernels/store_kv.py)
+        from nightshift.engine.kernels.store_kv import store_kv as triton_store_kv
+        return triton_store_kv(k_cache, v_cache, k, v, slot_mapping)
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache positions `slots` (any shape S) -> `[*S, kv_heads, head_dim]`."""
+    kv_heads, head_dim = cache.shape[-2:]
+    # index_select, not cache[slots]: advanced indexing is ~10x slower on CPU here
+    flat = cache.view(-1, kv_heads, head_dim).index_select(0, slots.reshape(-1))
+    return flat.view(*slots.shape, kv_heads, head_dim)
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q `[B, n, H, D]` -> `[B, kv_heads, n * group, D]`: the query heads of one KV head become
+    extra query rows (ordered position-major), so attention needs no repeated K/V."""
+    batch, n, heads, dim = q.shape
+    group = heads // kv_heads
+    return q.view(batch, n, kv_heads, group, dim).permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, n * group, dim)
+
+
+def _ungrouped(out: torch.Tensor, n: int, heads: int) -> torch.Tensor:
+    """inverse of `_grouped`: `[B, kv_heads, n * group, D]` -> `[B, n, H, D]`."""
+    batch, kv_heads, _, dim = out.shape
+    return out.view(batch, kv_heads, n, heads // kv_heads, dim).permute(0, 2, 1, 3, 4).reshape(batch, n, heads, dim)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention `[B, h, M, D]` and its log-sum-exp `[B, h, M]` (for merging partial results).
+    mask: additive float, broadcastable to `[B, h, M, L]`."""
+    if q.device.type == "cpu":  # torch's fused CPU kernel returns the log-sum-exp too
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=mask, scale=scale)
+        return out, lse
+    return attention_with_lse_math(q, k, v, mask, scale)
+
+
+def attention_with_lse_math(q, k, v, mask, scale):
+    """`attention_with_lse` in plain matmuls (any device)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    lse = torch.logsumexp(scores.float(), dim=-1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1).to(scores.dtype)), v), lse
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
+                     scale: float) -> torch.Tensor:
+    """q `[B, H, D]` (one new token per sequence, its K/V already stored) -> `[B, H, D]`: each
+    query attends to every position of its own sequence."""
+    size, heads, dim = q.shape
+    kv_heads = k_cache.shape[-2]
+    qg = _grouped(q.unsqueeze(1), kv_heads)                 # [B, kv_heads, group, D]
+    group = qg.shape[2]
+    if batch.prefix_slots is None:
+        outs = []
+        for g in batch.groups:
+            keys = gather_kv(k_cache, g.slots).transpose(1, 2)   # [b, kv_heads, L, D]
+            values = gather_kv(v_cache, g.slots).transpose(1, 2)
+            outs.append(F.scaled_dot_product_attention(qg[g.row_start:g.row_end], keys, values,
+                                                       attn_mask=g.mask, scale=scale))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return _ungrouped(out, 1, heads).squeeze(1)
+    # shared prefix: every query of the batch against the prefix's K/V, read once
+    prefix_k = gather_kv(k_cache, batch.prefix_slots).transpose(0, 1).unsqueeze(0)   # [1, kv_heads, P, D]
+    prefix_v = gather_kv(v_cache, batch.prefix_slots).transpose(0, 1).unsqueeze(0)
+    q_all = qg.transpose(0, 1).reshape(1, kv_heads, size * group, dim)
+    out_p, lse_p = attention_with_lse(q_all, prefix_k, prefix_v, None, scale)
+    out_p = out_p.view(kv_heads, size, group, dim).transpose(0, 1)
+    lse_p = lse_p.view(kv_heads, size, group).transpose(0, 1)
+    # each sequence's own positions after the prefix
+    outs, lses = [], []
+    for g in batch.groups:
+        keys = gather_kv(k_cache, g.slots).transpose(1, 2)
+        values = gather_kv(v_cache, g.slots).transpose(1, 2)
+        out_s, lse_s = attention_with_lse(qg[g.row_start:g.row_end], keys, values, g.mask, scale)
+        outs.append(out_s)
+        lses.append(lse_s)
+    out_s = outs[0] if len(outs) == 1 else torch.cat(outs)
+    lse_s = lses[0] if len(lses) == 1 else torch.cat(lses)
+    lse = torch.logaddexp(lse_p, lse_s)
+    out = out_p * torch.exp(lse_p - lse).unsqueeze(-1).to(out_p.dtype) + \
+        out_s * torch.exp(lse_s - lse).unsqueeze(-1).to(out_s.dtype)
+    return _ungrouped(out, 1, heads).squeeze(1)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, span: PrefillSpan, scale: float) -> torch.Tensor:
+    """q `[n, H, D]`, the span's new k/v `[n, kv_heads, D]` -> `[n, H, D]`, causal over the
+    cached prefix (start_pos tokens, read from the pool) plus the new tokens."""
+    n, heads, _ = q.shape
+    if span.context_slots is None:  # nothing cached: attend to the new K/V directly
+        out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                             v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
+                                             enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+    keys = gather_kv(k_cache, span.context_slots).transpose(0, 1).unsqueeze(0)   # [1, kv_heads, L, D]
+    values = gather_kv(v_cache, span.context_slots).transpose(0, 1).unsqueeze(0)
+    out = F.scaled_dot_product_attention(_grouped(q.unsqueeze(0), keys.shape[1]), keys, values,
+                                         attn_mask=span.mask, scale=scale)
+    return _ungrouped(out, n, heads).squeeze(0)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention for a whole flat batch `q [T, H, D]` (new k/v `[T, kv_heads, D]` already stored)."""
+    if meta.paged is not None:  # the Triton kernels over block tables (engine/kernels/paged.py)
+        from nightshift.engine.kernels.paged import paged_kernel_attention
+        return paged_kernel_attention(q, k_cache, v_cache, meta.paged, scale)
+    outputs = [decode_attention(q[b.row_start:b.row_end], k_cache, v_cache, b, scale) for b in meta.decode]
+    rows = meta.kernel_decode
+    if rows is not None and rows.num_rows:
+        from nightshift.engine import cpu_attention
+        outputs.append(cpu_attention.paged_attention(q[:rows.num_rows], k_cache, v_cache, rows.block_tables,
+                                                     rows.context_lens, scale))
+    outputs += [prefill_attention(q[s.row_start:s.row_end], k[s.row_start:s.row_end], v[s.row_start:s.row_end],
+                                  k_cache, v_cache, s, scale) for s in meta.prefills]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

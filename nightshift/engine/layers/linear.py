@@ -1,0 +1,95 @@
+"""The linear-layer seam: the model builds every projection with `build_linear`.
+
+Full precision is a plain dense matmul (float32 on CPU: oneDNN with the weight packed once,
+engine/layers/cpu_gemm.py). The INT4 path (engine/quant/) plugs in here: it receives the same
+`WeightSource`, which can hand out the checkpoint's raw GGUF blocks as well as the dense weight,
+so GGUF Q4_0/Q4_1 tensors import without re-quantizing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from nightshift.engine.layers import cpu_gemm
+
+if TYPE_CHECKING:
+    from nightshift.engine.quant.config import QuantConfig
+
+
+@dataclass
+class GGUFBlocks:
+    """One part's raw GGUF data: uint8 rows `[out_features, row_bytes]` (rows in HF order)."""
+    raw: np.ndarray
+    qtype: int                       # gguf.GGMLQuantizationType value
+    out_features: int
+    in_features: int
+
+
+@dataclass
+class WeightSource:
+    """Where a (possibly fused) projection's weights come from.
+
+    name: the layer name, e.g. "model.layers.3.self_attn.qkv_proj" (a fused q/k/v projection);
+    parts: the checkpoint names of the row blocks stacked along the output dim, in order, e.g.
+        ["model.layers.3.self_attn.q_proj", ".k_proj", ".v_proj"] (full names, no ".weight").
+    tensor: loads a checkpoint tensor by full name (".weight"/".bias"), float32 or the stored dtype;
+    gguf: loads a part's raw GGUF blocks (None when the checkpoint is not a quantized GGUF).
+    """
+    name: str
+    parts: list[str]
+    tensor: Callable[[str], Optional[torch.Tensor]]
+    gguf: Callable[[str], Optional[GGUFBlocks]]
+    dtype: torch.dtype
+    device: torch.device
+
+    def weight(self) -> torch.Tensor:
+        """The dense weight `[sum(out_features), in_features]` in `dtype` on `device`."""
+        pieces = [self.tensor(f"{part}.weight") for part in self.parts]
+        return torch.cat(pieces, dim=0).to(device=self.device, dtype=self.dtype) if len(pieces) > 1 \
+            else pieces[0].to(device=self.device, dtype=self.dtype)
+
+    def bias(self) -> Optional[torch.Tensor]:
+        pieces = [self.tensor(f"{part}.bias") for part in self.parts]
+        if all(p is None for p in pieces):
+            return None
+        if any(p is None for p in pieces):
+            raise ValueError(f"{self.name}: some fused parts have a bias and some do not")
+        return torch.cat(pieces, dim=0).to(device=self.device, dtype=self.dtype)
+
+    def gguf_blocks(self) -> Optional[list[GGUFBlocks]]:
+        """Each part's raw GGUF blocks, or None unless every part is a quantized GGUF tensor."""
+        blocks = [self.gguf(part + ".weight") for part in self.parts]
+        return None if any(b is None for b in blocks) else blocks
+
+
+class DenseLinear(nn.Module):
+    """`x @ W.T (+ b)` in the weight's dtype. A float32 weight on CPU is kept only in oneDNN's
+    packed layout (engine/layers/cpu_gemm.py), a non-persistent buffer; `weight` then unpacks a
+    copy on demand (for inspection, not the hot path)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        super().__init__()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        packed = cpu_gemm.pack(weight)
+        self.register_buffer("packed", packed, persistent=False)
+        self.dense = None if packed is not None else nn.Parameter(weight, requires_grad=False)
+        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dense if self.packed is None else self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_gemm.linear(x, self.dense if self.packed is None else self.packed, self.bias)
+
+
+def build_linear(source: WeightSource, quant_config: "Optional[QuantConfig]" = None) -> nn.Module:
+    """A module computing `x @ W.T (+ b)` for the projection `source` describes."""
+    if quant_config is not None and quant_config.quantizes(source.name):
+        from nightshift.engine.quant.linear import build_int4_linear  # the INT4 path (issue 3)
+        return build_int4_linear(source, quant_config)
+    return DenseLinear(source.weight(), source.bias())

@@ -1,0 +1,174 @@
+"""``Int4Linear``: a linear layer whose weight is stored in our INT4 format.
+
+What runs (engine/quant/README.md has the measurements):
+* CUDA: the Triton dequant-GEMM (engine/quant/triton_int4.py) on the packed weight.
+* CPU, steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU kernel (tinygemm), with
+  bfloat16 activations (its float32 mode is ~6x slower here; the result is cast back).
+* CPU, larger steps: a dense matmul with the dequantized weight in the activation dtype
+  (float32 for bfloat16 activations on CPUs without native bf16), kept after first use when
+  ``cache_dense_weight`` (else dequantized per call); a kept float32 weight is packed for oneDNN
+  (engine/layers/cpu_gemm.py), like the full-precision layers.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gguf import GGMLQuantizationType
+
+from nightshift.engine.cpu_features import cpu_has_native_bf16
+from nightshift.engine.layers import cpu_gemm
+from nightshift.engine.quant.awq import quantize_awq
+from nightshift.engine.quant.cache import active_cache
+from nightshift.engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS, QuantConfig
+from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
+from nightshift.engine.quant.format import Int4Weight, fitting_group_size, quantize_rtn
+from nightshift.engine.quant.gptq import quantize_awq_gptq, quantize_gptq
+from nightshift.engine.quant.gguf_import import DIRECT_IMPORT_TYPES, int4_from_gguf_blocks
+
+
+def dense_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Without AMX a bfloat16 CPU matmul is slower than float32 (5.5x at 64 rows on the AVX2 dev
+    machine, 1.7x with avx512_bf16; engine/cpu_features.py), so the large-step path computes in
+    float32 there."""
+    if dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        return torch.float32
+    return dtype
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *,
+                 cpu_int4_max_rows: int = DEFAULT_CPU_INT4_MAX_ROWS,
+                 cache_dense_weight: bool = True):
+        super().__init__()
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.group_size = weight.group_size
+        self.cpu_int4_max_rows = cpu_int4_max_rows
+        self.cache_dense_weight = cache_dense_weight
+        self.register_buffer("qweight", weight.qweight)
+        self.register_buffer("scales", weight.scales)
+        self.register_buffer("mins", weight.mins)
+        self.register_buffer("bias", bias)
+        # AWQ-style activation multiplier [K] (None: plain weights), see engine/quant/awq.py
+        self.register_buffer("input_scale", None)
+        # Kernel-specific forms of the same weight, built on first use per (device, dtype);
+        # not part of the state dict (the INT4 format is what is stored and moved).
+        self._tinygemm_packed: torch.Tensor | None = None
+        self._tinygemm_sz: dict[torch.dtype, torch.Tensor] = {}
+        self._dense: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    @property
+    def int4_weight(self) -> Int4Weight:
+        return Int4Weight(self.qweight, self.scales, self.mins, self.group_size)
+
+    def _apply(self, fn, recurse=True):
+        # A move/cast of the module invalidates the derived kernel forms.
+        self._tinygemm_packed = None
+        self._tinygemm_sz = {}
+        self._dense = {}
+        return super()._apply(fn, recurse)
+
+    def set_weight(self, weight: Int4Weight, input_scale: torch.Tensor | None = None) -> None:
+        """Replace the INT4 weight (same shape), optionally with an activation multiplier."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {weight.shape} != {(self.out_features, self.in_features)}")
+        self.group_size = weight.group_size
+        self.qweight, self.scales, self.mins = weight.qweight, weight.scales, weight.mins
+        self.input_scale = input_scale
+        self._apply(lambda t: t)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, self.in_features)
+        if self.input_scale is not None:
+            x2d = x2d * self.input_scale.to(x2d.dtype)
+        if x.is_cuda:
+            from nightshift.engine.quant.triton_int4 import int4_matmul
+            y = int4_matmul(x2d, self.qweight, self.scales, self.mins, self.group_size)
+        elif x2d.shape[0] <= self.cpu_int4_max_rows:
+            y = self._tinygemm(x2d.to(torch.bfloat16)).to(x.dtype)
+        else:
+            dtype = dense_compute_dtype(x.dtype)
+            bias = None if self.bias is None else self.bias.to(dtype)
+            y = self._dense_linear(x2d.to(dtype), bias).to(x.dtype)
+            return y.reshape(*lead, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
+
+    def _tinygemm(self, x2d: torch.Tensor) -> torch.Tensor:
+        if self._tinygemm_packed is None:
+            self._tinygemm_packed = pack_for_tinygemm(self.int4_weight)
+        sz = self._tinygemm_sz.get(x2d.dtype)
+        if sz is None:
+            sz = self._tinygemm_sz[x2d.dtype] = tinygemm_scales_and_zeros(self.int4_weight, x2d.dtype)
+        return tinygemm_linear(x2d, self._tinygemm_packed, self.group_size, sz)
+
+    def _dense_linear(self, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x2d @ dequantized W.T; when cached, a float32 CPU weight is kept in oneDNN's packed
+        layout (engine/layers/cpu_gemm.py) as the full-precision layers are."""
+        key = (x2d.device, x2d.dtype)
+        w = self._dense.get(key)
+        if w is None:
+            w = self.int4_weight.dequantize(x2d.dtype)
+            if self.cache_dense_weight:
+                packed = cpu_gemm.pack(w)
+                w = w if packed is None else packed
+                self._dense[key] = w
+        return cpu_gemm.linear(x2d, w, bias)
+
+
+def int4_weight_for(source, config: QuantConfig, activation_stats=None):
+    """(INT4 weight, AWQ input scale or None) of a (possibly fused) projection: GGUF Q4_0/Q4_1
+    blocks imported as they are, anything else quantized from its float32 values (RTN, AWQ,
+    GPTQ or both)."""
+    blocks = source.gguf_blocks() if config.import_gguf_blocks else None
+    if blocks is not None and all(GGMLQuantizationType(b.qtype) in DIRECT_IMPORT_TYPES for b in blocks):
+        parts = [int4_from_gguf_blocks(b.raw, GGMLQuantizationType(b.qtype), b.out_features,
+                                       b.in_features, name=part)
+                 for b, part in zip(blocks, source.parts)]
+        return Int4Weight.cat_rows(parts), None
+    dense = torch.cat([source.tensor(f"{part}.weight").to(torch.float32) for part in source.parts])
+    group = fitting_group_size(dense.shape[1], config.group_size)
+    if config.needs_calibration:
+        if activation_stats is None or source.name not in activation_stats:
+            raise ValueError(f"{source.name}: method={config.method!r} but no calibration activations "
+                             f"for this layer")
+        if config.method == "gptq":
+            return quantize_gptq(dense, activation_stats[source.name], group), None
+        if config.method == "awq-gptq":
+            return quantize_awq_gptq(dense, activation_stats[source.name], group)
+        weight, input_scale, _ = quantize_awq(dense, activation_stats[source.name], group)
+        return weight, input_scale
+    return quantize_rtn(dense, group), None
+
+
+def build_int4_linear(source, config: QuantConfig) -> Int4Linear:
+    """The seam engine/layers/linear.py calls for every layer `config.quantizes()`."""
+    cache = active_cache()
+    cached = cache.get(source.name) if cache is not None else None
+    if cached is not None:
+        weight, input_scale = cached
+    else:
+        stats = None
+        if config.needs_calibration:
+            if cache is None:
+                raise ValueError(f"method={config.method!r} needs calibration activations: load the model "
+                                 "through nightshift.engine.loader.load_model")
+            stats = cache.activation_stats()
+        weight, input_scale = int4_weight_for(source, config, stats)
+        if cache is not None:
+            cache.put(source.name, weight, input_scale)
+    device = torch.device(source.device)
+    bias = source.bias()
+    layer = Int4Linear(weight.to(device), None if bias is None else bias.to(device),
+                       cpu_int4_max_rows=config.cpu_int4_max_rows,
+                       cache_dense_weight=config.cache_dense_weight)
+    if input_scale is not None:
+        layer.input_scale = input_scale.to(device)
+    return layer

@@ -1,0 +1,161 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Each step has two budgets: at most `max_num_seqs` running sequences and at most
+`max_num_batched_tokens` new tokens. Running sequences go first, oldest first: a
+decoding sequence takes one token, a prefilling one takes the next chunk of its prompt
+(chunked prefill, mixed with the decodes in the same step). Whatever budget is left
+admits waiting sequences in queue order. When the KV pool runs out, the newest running
+sequence is preempted: its blocks are freed (they stay in the prefix cache until
+evicted) and it goes back to the head of the queue to be recomputed.
+
+Prefix-aware admission: a waiting sequence whose next uncached prompt block is being
+computed right now by a running sequence is held back for a step or two, so it hits
+the cache instead of computing the same block twice. Together with the offline order
+(requests sorted by prompt token ids, so prefix groups are contiguous) this admits one
+leader per group first and its followers as soon as the shared blocks are cached.
+Nobody starves: the queue head is never skipped for lack of blocks, and a held-back
+sequence waits only on a running sequence that makes progress every step.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from nightshift.engine.block_manager import BlockManager
+from nightshift.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    start_pos: int        # tokens already in the KV cache
+    num_new_tokens: int
+    need_logits: bool     # this chunk reaches the sequence's last token: sample after it
+    is_decode: bool       # one generated token (else a prompt chunk or a recompute)
+
+    @classmethod
+    def of(cls, seq: Sequence, num_new_tokens: int) -> "ScheduledSeq":
+        start = seq.num_computed_tokens
+        return cls(seq, start, num_new_tokens, start + num_new_tokens == seq.num_tokens,
+                   num_new_tokens == 1 and start >= seq.num_prompt_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order, newest last
+        self.num_preemptions = 0
+        self.max_held_back_scan = 4 * max_num_seqs  # bounds the per-step admission scan
+
+    # ---- queue -----------------------------------------------------------------
+    def add(self, seqs: Iterable[Sequence], offline: bool = False) -> None:
+        """Queue sequences. Offline: sorted by prompt token ids so prefix groups are adjacent."""
+        seqs = list(seqs)
+        if offline:
+            seqs.sort(key=lambda s: s.token_ids)
+        for seq in seqs:
+            seq.status = SequenceStatus.WAITING
+        self.waiting.extend(seqs)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished (or aborted) sequence and release its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # ---- one step ----------------------------------------------------------------
+    def schedule(self) -> list[ScheduledSeq]:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not bm.allocate_slots(seq, n):
+                victim = self.running.pop()  # newest first; never one already scheduled
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            else:
+                scheduled.append(ScheduledSeq.of(seq, n))
+                budget -= n
+                i += 1
+
+        if not preempted:
+            budget = self._admit(scheduled, budget)
+        return scheduled
+
+    def _pending_block_hashes(self) -> set[int]:
+        """Hashes of full prompt blocks that running sequences have allocated but not finished."""
+        pending: set[int] = set()
+        for seq in self.running:
+            self._add_pending(seq, pending)
+        return pending
+
+    def _add_pending(self, seq: Sequence, pending: set[int]) -> None:
+        full = (seq.num_tokens - 1) // self.block_manager.block_size
+        if seq.num_registered_blocks < full:
+            pending.update(self.block_manager.block_hashes(seq, full)[seq.num_registered_blocks:])
+
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        bm = self.block_manager
+        if not self.waiting:
+            return budget
+        caching = bm.enable_prefix_caching
+        pending = self._pending_block_hashes() if caching else set()
+        held_back: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            matched = bm.match_prefix(seq)
+            if caching and bm.first_missing_block_hash(seq, len(matched)) in pending:
+                held_back.append(self.waiting.popleft())
+                if len(held_back) >= self.max_held_back_scan:
+                    break
+                continue
+            n = min(seq.num_tokens - len(matched) * bm.block_size, budget)
+            if bm.admission_cost(matched, seq, n) > bm.num_free_blocks:
+                break  # the head waits for blocks; nobody behind it jumps ahead
+            cached = bm.allocate_prefix(seq, matched)
+            if seq.cached_prompt_tokens is None:
+                seq.cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
+            allocated = bm.allocate_slots(seq, n)
+            assert allocated, "admission_cost promised enough free blocks"
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled.append(ScheduledSeq.of(seq, n))
+            budget -= n
+            if caching:
+                self._add_pending(seq, pending)
+        self.waiting.extendleft(reversed(held_back))
+        return budget
+
+    def complete_step(self, scheduled: list[ScheduledSeq]) -> None:
+        """Advance each scheduled sequence past the tokens it just computed."""
+        bm = self.block_manager
+        for item in scheduled:
+            item.seq.num_computed_tokens = item.start_pos + item.num_new_tokens
+            bm.register_computed_blocks(item.seq)

@@ -1,0 +1,96 @@
+"""One request's life inside the engine: its tokens, KV block table and progress.
+
+The scheduler moves a Sequence between WAITING, RUNNING and FINISHED; the block
+manager fills `block_table`; the engine appends sampled tokens and checks stops.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from typing import Optional
+
+import torch
+
+from nightshift.engine.types import GenerationRequest, SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request: GenerationRequest, block_size: int):
+        self.request_id = request.request_id
+        self.sampling: SamplingParams = request.sampling
+        self.block_size = block_size
+        self.arrival = next(_arrival_counter)
+        self.status = SequenceStatus.WAITING
+
+        self.token_ids: list[int] = list(request.prompt_token_ids)  # prompt + generated
+        self.num_prompt_tokens = len(self.token_ids)
+        # tokens whose K/V are in the cache (cached prefix + computed); the rest run next
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        # chained hashes of this sequence's full blocks (index i covers tokens of block i)
+        self.block_hashes: list[int] = []
+        # leading blocks of block_table already registered in the prefix cache
+        self.num_registered_blocks = 0
+        # prefix-cache hit of the first admission (a recompute after preemption is our cost,
+        # not a cache benefit to report)
+        self.cached_prompt_tokens: Optional[int] = None
+        self.num_preemptions = 0
+
+        self.output_logprobs: list[float] = []
+        self.generator: Optional[torch.Generator] = None
+        if self.sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(int(self.sampling.seed))
+
+        # incremental detokenisation state (see engine.detokenizer)
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+        self.finish_reason: Optional[str] = None
+        self.first_token_time: Optional[float] = None
+        self.finish_time: Optional[float] = None
+        self.engine_seconds = 0.0
+
+    # ---- token views -------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def num_full_blocks(self, num_tokens: Optional[int] = None) -> int:
+        return (self.num_tokens if num_tokens is None else num_tokens) // self.block_size
+
+    def block_tokens(self, index: int) -> list[int]:
+        return self.token_ids[index * self.block_size:(index + 1) * self.block_size]
+
+    def append_token(self, token_id: int, logprob: Optional[float]) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")

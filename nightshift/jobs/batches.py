@@ -1,0 +1,183 @@
+"""Batch state machine (DESIGN §4): guarded transitions, draining unrun requests, progress.
+
+Every transition is a conditional UPDATE on the current status, so two processes doing
+the same step (a duplicated message, the reconciler racing a worker) cannot both win.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sqlalchemy import exists, func, select, update
+from sqlalchemy.orm import Session
+
+from nightshift.jobs.models import Batch, BatchStatus, Request, RequestStatus, Shard, ShardStatus
+
+CANCELLABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
+DRAIN_MESSAGES = {
+    "batch_cancelled": "This request was not executed because the batch was cancelled.",
+    "batch_expired": "This request could not be executed before the completion window expired.",
+    "shard_failed": "This request could not be executed: its worker failed repeatedly.",
+}
+
+
+class InvalidTransition(ValueError):
+    """The batch cannot make this transition from its current status (the API answers 409)."""
+
+    def __init__(self, batch_id: str, status: str, action: str):
+        super().__init__(f"Cannot {action} a batch with status '{status}'.")
+        self.batch_id = batch_id
+        self.status = status
+
+
+def request_cancel(s: Session, batch_id: str, now: Optional[float] = None) -> Batch:
+    """validating/in_progress -> cancelling; cancelling/cancelled/finalizing stay as they are;
+    completed/failed/expired raise InvalidTransition. The caller commits, then sends
+    ``nightshift.workers.dispatch.enqueue_cancel(batch_id)``."""
+    now = time.time() if now is None else now
+    s.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(CANCELLABLE))
+              .values(status=BatchStatus.CANCELLING, cancelling_at=now))
+    batch = s.get(Batch, batch_id, populate_existing=True)
+    if batch is None:
+        raise LookupError(batch_id)
+    if batch.status in (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.EXPIRED):
+        raise InvalidTransition(batch_id, batch.status, "cancel")
+    return batch
+
+
+def drain_batch(s: Session, batch_id: str, code: str, now: Optional[float] = None) -> int:
+    """Revoke every live shard lease of the batch and turn its unrun requests into error lines
+    (``response: null, error: {code, message}``). Shard rows are updated first: that waits for a
+    worker's in-flight result write (it holds the shard row) and makes its later writes fail."""
+    now = time.time() if now is None else now
+    s.execute(update(Shard).where(Shard.batch_id == batch_id, Shard.status.in_((ShardStatus.PENDING,
+                                                                                 ShardStatus.RUNNING)))
+              .values(status=ShardStatus.CANCELLED, lease_token=None, lease_expires_at=None, finished_at=now))
+    return _drain_requests(s, Request.batch_id == batch_id, code, now)
+
+
+def drain_shard(s: Session, shard_id: int, code: str, now: Optional[float] = None) -> int:
+    now = time.time() if now is None else now
+    s.execute(update(Shard).where(Shard.id == shard_id).values(
+        status=ShardStatus.CANCELLED, lease_token=None, lease_expires_at=None, finished_at=now))
+    return _drain_requests(s, Request.shard_id == shard_id, code, now)
+
+
+def _drain_requests(s: Session, where, code: str, now: float) -> int:  # noqa: ANN001
+    per_shard = s.execute(select(Request.shard_id, func.count()).where(where, Request.status == RequestStatus.PENDING)
+                          .group_by(Request.shard_id)).all()
+    if not per_shard:
+        return 0
+    res = s.execute(update(Request).where(where, Request.status == RequestStatus.PENDING)
+                    .values(status=RequestStatus.FAILED, error_code=code, error_message=DRAIN_MESSAGES[code],
+                            prompt_tokens=0, finished_at=now))  # never run: no tokens used
+    for shard_id, n in per_shard:
+        if shard_id is not None:
+            s.execute(update(Shard).where(Shard.id == shard_id).values(failed_count=Shard.failed_count + n))
+    return res.rowcount
+
+
+def start_finalize_if_done(s: Session, batch_id: str, now: Optional[float] = None) -> bool:
+    """in_progress -> finalizing once every shard is terminal; True for the one caller that moved it."""
+    now = time.time() if now is None else now
+    live = exists().where(Shard.batch_id == batch_id, Shard.status.notin_(ShardStatus.TERMINAL))
+    res = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.IN_PROGRESS, ~live)
+                    .values(status=BatchStatus.FINALIZING, finalizing_at=now, last_enqueued_at=now))
+    return res.rowcount == 1
+
+
+def cancel_now(s: Session, batch_id: str, now: Optional[float] = None) -> bool:
+    """Drain a cancelling batch (idempotent); True if it is ready for finalize."""
+    batch = s.get(Batch, batch_id)
+    if batch is None or batch.status != BatchStatus.CANCELLING:
+        return False
+    drain_batch(s, batch_id, "batch_cancelled", now)
+    return True
+
+
+def expire_batch(s: Session, batch_id: str, now: Optional[float] = None) -> bool:
+    """A batch past its completion window: mark it expiring (finalizing with expired_at set) and
+    drain its unrun requests with ``batch_expired``. Finalize then writes the partial results."""
+    now = time.time() if now is None else now
+    res = s.execute(update(Batch).where(Batch.id == batch_id,
+                                        Batch.status.in_((BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)),
+                                        Batch.expires_at < now)
+                    .values(status=BatchStatus.FINALIZING, finalizing_at=now, expired_at=now, last_enqueued_at=now))
+    if res.rowcount != 1:
+        return False
+    drain_batch(s, batch_id, "batch_expired", now)
+    return True
+
+
+def due_for_expiry(s: Session, now: Optional[float] = None) -> list[str]:
+    now = time.time() if now is None else now
+    return list(s.scalars(select(Batch.id).where(Batch.status.in_((BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)),
+                                                 Batch.expires_at < now)))
+
+
+def final_status(batch: Batch) -> str:
+    """The terminal status finalize moves a batch to."""
+    if batch.cancelling_at is not None:
+        return BatchStatus.CANCELLED
+    if batch.expired_at is not None:
+        return BatchStatus.EXPIRED
+    return BatchStatus.COMPLETED
+
+
+# --- progress -------------------------------------------------------------------------
+
+@dataclass
+class BatchProgress:
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    engine_seconds: float = 0.0
+    planned_tokens: int = 0
+    eta_seconds: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+
+    def request_counts(self) -> dict:
+        return {"total": self.total, "completed": self.completed, "failed": self.failed}
+
+    def usage(self) -> dict:
+        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.input_tokens + self.output_tokens}
+
+    def progress(self) -> dict:
+        """Our extension field on the batch object."""
+        done = self.completed + self.failed
+        return {"requests_done": done, "tokens_done": self.input_tokens + self.output_tokens,
+                "tokens_planned": self.planned_tokens, "cached_tokens": self.cached_tokens,
+                "fraction": (done / self.total) if self.total else 0.0, "eta_seconds": self.eta_seconds}
+
+
+def batch_progress(s: Session, batches: list[Batch], now: Optional[float] = None) -> dict[str, BatchProgress]:
+    """request_counts, usage and progress for several batches in one query (sums over shard rows)."""
+    now = time.time() if now is None else now
+    ids = [b.id for b in batches]
+    out = {b.id: BatchProgress(total=b.request_total, planned_tokens=b.planned_prompt_tokens + b.planned_max_tokens)
+           for b in batches}
+    if not ids:
+        return out
+    rows = s.execute(select(Shard.batch_id, func.sum(Shard.completed_count), func.sum(Shard.failed_count),
+                            func.sum(Shard.prompt_tokens), func.sum(Shard.prefix_hit_tokens),
+                            func.sum(Shard.completion_tokens), func.sum(Shard.engine_seconds))
+                     .where(Shard.batch_id.in_(ids)).group_by(Shard.batch_id)).all()
+    for batch_id, completed, failed, prompt, cached, completion, secs in rows:
+        p = out[batch_id]
+        p.completed, p.failed = int(completed or 0), int(failed or 0)
+        p.input_tokens, p.cached_tokens, p.output_tokens = int(prompt or 0), int(cached or 0), int(completion or 0)
+        p.engine_seconds = float(secs or 0.0)
+    for b in batches:
+        p = out[b.id]
+        done = p.completed + p.failed
+        if b.status == BatchStatus.IN_PROGRESS and b.in_progress_at and 0 < done < p.total:
+            p.eta_seconds = (now - b.in_progress_at) * (p.total - done) / done
+        elif b.status in BatchStatus.TERMINAL:
+            p.eta_seconds = 0.0
+    return out

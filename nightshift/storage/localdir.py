@@ -1,0 +1,66 @@
+"""Local-folder object store (the embedded default). Writes go to a temp file then
+``os.replace``, so a reader never sees half an object and a rewrite is atomic."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from nightshift.storage.objectstore import CHUNK, Source, as_reader
+
+
+class LocalDirStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if self.root.resolve() not in path.parents:
+            raise ValueError(f"object key escapes the store: {key!r}")
+        return path
+
+    def put_stream(self, key: str, source: Source) -> int:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        reader = as_reader(source)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                shutil.copyfileobj(reader, out, CHUNK)
+                written = out.tell()
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return written
+
+    def get_stream(self, key: str, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        path = self._path(key)
+        if not path.is_file():
+            raise KeyError(key)
+        return self._read(path, chunk_size)
+
+    @staticmethod
+    def _read(path: Path, chunk_size: int) -> Iterator[bytes]:
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_size):
+                yield chunk
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        if not path.is_file():
+            raise KeyError(key)
+        return path.stat().st_size

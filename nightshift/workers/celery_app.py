@@ -1,0 +1,73 @@
+"""The Celery app: Redis broker in production, kombu ``filesystem://`` in the embedded default.
+
+Postgres is the truth; messages are wake-ups (DESIGN §1). ``acks_late`` + prefetch 1 so a
+worker holds one shard at a time and a crash re-delivers (Redis) — and if the message is
+lost anyway (filesystem broker), the reconciler on beat re-sends from database state.
+Queues: ``cpu`` (ingest, finalize, cancel, reconcile, expire, schedules) and ``gpu``
+(run_shard). Start: ``celery -A nightshift.workers.celery_app worker -Q gpu -c 1`` on engine hosts,
+``celery -A nightshift.workers.celery_app worker -Q cpu`` and ``celery -A nightshift.workers.celery_app beat`` elsewhere.
+"""
+from __future__ import annotations
+
+from celery import Celery
+from kombu import Queue
+
+from nightshift.settings import Settings, get_settings
+
+TASK_INGEST = "nightshift.ingest"
+TASK_RUN_SHARD = "nightshift.run_shard"
+TASK_FINALIZE = "nightshift.finalize"
+TASK_CANCEL = "nightshift.cancel"
+TASK_RECONCILE = "nightshift.reconcile"
+TASK_EXPIRE = "nightshift.expire"
+TASK_SCHEDULES_TICK = "nightshift.schedules.tick"        # workers/schedule_tasks.py (issue 6)
+TASK_SCHEDULE_START_RUN = "nightshift.schedules.start_run"
+
+
+def celery_config(settings: Settings) -> dict:
+    config = {
+        "broker_url": settings.resolved_broker_url,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,   # bounded by shard attempts in the DB
+        "worker_prefetch_multiplier": 1,
+        "task_ignore_result": True,
+        "task_default_queue": "cpu",
+        "task_queues": (Queue("cpu"), Queue("gpu")),
+        "task_routes": {TASK_RUN_SHARD: {"queue": "gpu"}},
+        "worker_hijack_root_logger": False,
+        "broker_connection_retry_on_startup": True,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "beat_schedule": {
+            "reconcile": {"task": TASK_RECONCILE, "schedule": settings.reconcile_interval_seconds},
+            "expire": {"task": TASK_EXPIRE, "schedule": settings.expire_interval_seconds},
+            "schedules": {"task": TASK_SCHEDULES_TICK, "schedule": settings.schedule_tick_seconds},
+        },
+    }
+    if settings.is_embedded_broker:
+        root = settings.broker_dir
+        for sub in ("queue", "processed", "control"):
+            (root / sub).mkdir(parents=True, exist_ok=True)
+        config["broker_transport_options"] = {
+            "data_folder_in": str(root / "queue"), "data_folder_out": str(root / "queue"),
+            "processed_folder": str(root / "processed"), "store_processed": False,
+            "control_folder": str(root / "control"), "polling_interval": settings.broker_polling_interval,
+        }
+        config["beat_schedule_filename"] = str(root / "celerybeat-schedule")
+        config["broker_transport"] = "nightshift.workers.filesystem_broker:Transport"   # atomic message files
+    else:
+        opts = {"visibility_timeout": settings.broker_visibility_timeout}
+        config["broker_transport_options"] = opts
+        config["result_backend_transport_options"] = opts
+    return config
+
+
+def make_celery(settings: Settings | None = None) -> Celery:
+    app = Celery("nightshift")
+    app.conf.update(celery_config(settings or get_settings()))
+    app.conf.imports = ("nightshift.workers.tasks", "nightshift.workers.schedule_tasks")
+    return app
+
+
+app = make_celery()

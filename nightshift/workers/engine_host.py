@@ -1,0 +1,58 @@
+"""One long-lived engine per worker process, loaded lazily on the first task that needs it.
+
+Never load in the parent before Celery forks (CUDA does not survive fork, and
+``worker_process_init`` must return within 4 s); the pid check makes a forked child load
+its own copy instead of reusing a parent's.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from typing import Optional
+
+from nightshift.settings import Settings, get_settings
+
+_lock = threading.Lock()
+_engine = None
+_engine_pid: Optional[int] = None
+_tokenizer = None
+_tokenizer_pid: Optional[int] = None
+
+
+def worker_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def get_engine(settings: Optional[Settings] = None):  # noqa: ANN201
+    global _engine, _engine_pid
+    with _lock:
+        if _engine is None or _engine_pid != os.getpid():
+            from nightshift.engine import Engine
+
+            s = settings or get_settings()
+            _engine = Engine.from_pretrained(model=s.model, quantization=s.quantization, device=s.device,
+                                             max_num_seqs=s.engine_max_num_seqs,
+                                             max_num_batched_tokens=s.engine_max_num_batched_tokens,
+                                             num_kv_blocks=s.engine_num_kv_blocks)
+            _engine_pid = os.getpid()
+        return _engine
+
+
+def engine_device(engine) -> str:  # noqa: ANN001
+    runner = getattr(engine, "runner", None)
+    return str(getattr(runner, "device", "unknown"))
+
+
+def get_tokenizer(settings: Optional[Settings] = None):  # noqa: ANN201
+    """The model's tokenizer only (cheap: no weights); the engine's own when it is loaded."""
+    global _tokenizer, _tokenizer_pid
+    with _lock:
+        if _engine is not None and _engine_pid == os.getpid():
+            return _engine.tokenizer
+        if _tokenizer is None or _tokenizer_pid != os.getpid():
+            from nightshift.engine import load_tokenizer
+
+            _tokenizer = load_tokenizer((settings or get_settings()).model)
+            _tokenizer_pid = os.getpid()
+        return _tokenizer

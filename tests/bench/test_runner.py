@@ -1,0 +1,60 @@
+"""`python -m bench.runner`: the matmul floor and the step times it prints."""
+import re
+
+import torch
+
+from bench.runner import main, matmul_floor
+
+
+def test_matmul_floor_times_every_linear_and_the_lm_head(fp32_model):
+    calls = []
+    handles = [m.register_forward_hook(lambda m, i, o: calls.append(m.in_features))
+               for m in fp32_model.modules() if hasattr(m, "in_features") and not list(m.children())]
+    try:
+        seconds = matmul_floor(fp32_model, rows=4, repeats=1)
+    finally:
+        for h in handles:
+            h.remove()
+    layers = fp32_model.config.num_layers
+    assert seconds > 0
+    # warm-up + one timed step: qkv, o, gate_up, down per layer, and the LM head when it is a
+    # module (the packed copy of the tied embedding on CPU, engine/layers/cpu_gemm.py)
+    head = 1 if fp32_model.lm_head is not None else 0
+    assert len(calls) == 2 * (4 * layers + head)
+
+
+def test_prints_floor_kernel_and_torch_paths(capsys):
+    torch_threads = torch.get_num_threads()
+    main(["--batch", "2", "--repeats", "1", "--buckets", "64", "--chunk", "16", "--threads", "1",
+          "--min-len", "40", "--max-len", "60", "--shared-blocks", "2"])
+    torch.set_num_threads(torch_threads)
+    out = capsys.readouterr().out
+    assert re.search(r"decode B=  2 matmul floor .* ms/step", out)
+    assert re.search(r"decode B=  2 ctx 40-60 torch cascade=on  bucket=    64: .* tok/s", out)
+    assert re.search(r"decode B=  2 ctx 40-60 torch cascade=off bucket=    64: .* tok/s", out)
+    assert "prefill chunk of 16 over 32 cached" in out
+
+
+def test_workload_matmul_floor_counts_the_lm_head_only_on_rows_with_logits(monkeypatch):
+    from bench import runner as runner_bench
+    # 0.5 s a row with the LM head, 0.375 s without
+    monkeypatch.setattr(runner_bench, "matmul_floor",
+                        lambda model, rows, repeats, lm_head=True: (0.5 if lm_head else 0.375) * rows)
+    # 8 rows with logits at 0.5 s each, 4 without at 0.375 s each
+    assert runner_bench.workload_matmul_seconds(None, logits_rows=8, other_rows=4, decode_rows=4,
+                                                prefill_rows=16) == 5.5
+
+
+def test_matmul_floor_without_the_lm_head_skips_it(fp32_model):
+    calls = []
+    head = fp32_model.lm_head
+    handle = head.register_forward_hook(lambda m, i, o: calls.append(o.shape)) if head is not None else None
+    try:
+        assert matmul_floor(fp32_model, rows=2, repeats=1, lm_head=False) > 0
+        assert not calls
+        assert matmul_floor(fp32_model, rows=2, repeats=1) > 0
+    finally:
+        if handle is not None:
+            handle.remove()
+    if handle is not None:   # warm-up + one timed call, 2 rows x the vocabulary
+        assert calls == [(2, fp32_model.config.vocab_size)] * 2
