@@ -13,7 +13,13 @@ from typing import Optional
 
 import torch
 
-from nightshift.engine.config import ModelConfig
+from nightshift.engine.engine import Engine
+from nightshift.engine.engine_config import resolve_device, resolve_dtype
+from nightshift.engine.model_config import ModelConfig
+from nightshift.engine.models import build_model
+from nightshift.engine.quant.config import resolve_quant_config
+from nightshift.engine.quant.linear_factory import Int4LinearFactory
+from nightshift.engine.tokenizer import load_tokenizer
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
@@ -106,10 +112,12 @@ class DummyCheckpoint:
 
 def build_dummy_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu", quant_config=None,
                       seed: int = 0, max_position_embeddings: Optional[int] = None):
-    """Our LlamaForCausalLM with random weights of shape `name` (see DUMMY_SHAPES)."""
-    from nightshift.engine.models import build_model
+    """Our LlamaForCausalLM with random weights of shape `name` (see DUMMY_SHAPES); with a
+    quant_config its layers are INT4, quantized at build time (no disk cache, and no calibration:
+    the methods that need one are refused)."""
     checkpoint = DummyCheckpoint(dummy_config(name, max_position_embeddings), seed=seed, device=device)
-    return build_model(checkpoint, dtype=dtype, device=device, quant_config=quant_config)
+    linear = None if quant_config is None else Int4LinearFactory(quant_config)
+    return build_model(checkpoint, dtype=dtype, device=device, linear=linear)
 
 
 def dummy_engine(name: str, quantization: str = "none", device: str = "auto", dtype=None, seed: int = 0,
@@ -117,10 +125,7 @@ def dummy_engine(name: str, quantization: str = "none", device: str = "auto", dt
     """An Engine over random weights of shape `name`, with the tokenizer of `tokenizer` (a model, or a
     saved tokenizer directory; see load_tokenizer), by default the default model's.
     engine_options: those of Engine.from_model (max_num_seqs, num_kv_blocks, ...)."""
-    from nightshift.engine.engine import Engine, resolve_device, resolve_dtype, resolve_quantization
-    from nightshift.engine.tokenizer import load_tokenizer
-
     device = resolve_device(device)
-    model = build_dummy_model(name, resolve_dtype(dtype, device), device, resolve_quantization(quantization),
+    model = build_dummy_model(name, resolve_dtype(dtype, device), device, resolve_quant_config(quantization),
                               seed, max_position_embeddings)
     return Engine.from_model(model, load_tokenizer(tokenizer), f"dummy-{name}", **engine_options)

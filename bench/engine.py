@@ -1,7 +1,8 @@
 """`python -m bench.engine`: one fixed synthetic workload through our engine and HF generate().
 
-Workload (issue 2): N requests (default 256), each one shared ~200-token system prompt
-plus a unique 20-60-token user turn, through the model's chat template; O output tokens
+Workload: N requests (default 256), each one shared ~200-token system prompt plus a unique
+20-60-token user turn, through the model's chat template (the shape of a batch job: one
+instruction, many inputs, so the prefix cache matters as much as raw speed); O output tokens
 each (default 128), EOS ignored, greedy. Our engine runs them all in one offline
 generate() call. The baseline is transformers' generate() on the same weights and
 machine in the same run: left-padded static batches, greedy, the same output length,
@@ -14,7 +15,7 @@ on the token rows the run computed (bench/runner.py), the part of the run no att
 scheduling or kernel change outside the GEMMs can remove; with the HF baseline, next to the time
 5x the best HF throughput would allow.
 On CUDA (--device, default auto) it also prints decode MBU and prefill MFU of the engine's runner
-(engine/roofline_bench.py; on CPU only with --peak-bandwidth/--peak-flops). --dummy-weights NAME
+(bench/roofline_bench.py; on CPU only with --peak-bandwidth/--peak-flops). --dummy-weights NAME
 runs random weights of a Llama shape (llama-1b, llama-8b) in both our engine and the HF baseline.
 """
 from __future__ import annotations
@@ -24,11 +25,21 @@ import os
 import platform
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
 import torch
+
+from bench.dummy_weights import DummyCheckpoint, dummy_engine
+from bench.roofline import DevicePeak, device_peak
+from bench.roofline_bench import Measurement, measure_decode, measure_prefill
+from bench.runner import workload_matmul_seconds
+from nightshift.engine.engine import Engine
+from nightshift.engine.engine_config import resolve_device
+from nightshift.engine.loader import load_checkpoint
+from nightshift.engine.tokenizer import load_tokenizer
+from nightshift.engine.types import GenerationRequest, SamplingParams
 
 WORDS = ("river mountain quiet lantern copper orchard signal harbor violet meadow engine pocket "
          "thunder ladder marble garden crystal window shadow compass feather canvas silver rocket "
@@ -96,7 +107,6 @@ class EngineResult:
 
 
 def run_engine(engine, prompts: list[list[int]], output_len: int) -> EngineResult:
-    from nightshift.engine.types import GenerationRequest, SamplingParams
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
     requests = [GenerationRequest(f"req-{i}", p, params) for i, p in enumerate(prompts)]
     before = engine.stats()
@@ -117,7 +127,6 @@ def run_engine(engine, prompts: list[list[int]], output_len: int) -> EngineResul
 
 def hf_model_from_cache(model: str, dtype: torch.dtype):
     """transformers' LlamaForCausalLM on the same float32 weights our loader cached."""
-    from nightshift.engine.loader import load_checkpoint
     return hf_model_from_checkpoint(load_checkpoint(model), dtype)
 
 
@@ -169,45 +178,91 @@ def run_hf(hf, prompts: list[list[int]], output_len: int, batch_size: int, pad_i
     return time.time() - start, produced, sum(len(p) for p in prompts)
 
 
-def print_matmul_floor(engine, result: EngineResult, num_requests: int) -> Optional[float]:
-    """On CPU: seconds the run's matmuls alone would take (bench/runner.py's matmul floor
-    at the engine's step size, over the rows the run computed), printed with its share of the
-    run; None elsewhere (the floor is timed without device syncs)."""
+@dataclass
+class MatmulFloor:
+    """Seconds the run's matmuls alone would take (bench/runner.py's matmul floor at the engine's
+    step size, over the token rows the run computed)."""
+    seconds: float
+    logits_rows: int          # rows that need the LM head (one per output token)
+    other_rows: int           # the other uncached prompt rows
+    decode_rows: int          # the step size the logits rows are timed at (a full decode step)
+    prefill_rows: int         # the step size the other rows are timed at (a full prefill step)
+
+
+def matmul_floor(engine, result: EngineResult, num_requests: int) -> Optional[MatmulFloor]:
+    """On CPU, the run's matmul floor; None elsewhere (the floor is timed without device syncs)."""
     if engine.runner.device.type != "cpu":
         return None
-    from bench.runner import workload_matmul_seconds
     uncached = result.prompt_tokens - result.cached_tokens
     logits_rows, other_rows = result.output_tokens, max(0, uncached - num_requests)
-    decode_rows = min(engine.config.max_num_seqs, num_requests)           # a full decode step
-    prefill_rows = max(1, min(engine.config.max_num_batched_tokens, other_rows))   # a full prefill step
-    floor = workload_matmul_seconds(engine.runner.model, logits_rows, other_rows, decode_rows, prefill_rows)
-    print(f"matmul floor {floor:.1f} s = {floor / result.seconds:.0%} of the run: the linear layers and LM head "
-          f"alone on its {logits_rows + other_rows} token rows ({logits_rows} with logits, at {decode_rows}-row "
-          f"steps; the rest at {prefill_rows}-row steps without the LM head)")
-    return floor
+    decode_rows = min(engine.config.max_num_seqs, num_requests)
+    prefill_rows = max(1, min(engine.config.max_num_batched_tokens, other_rows))
+    seconds = workload_matmul_seconds(engine.runner.model, logits_rows, other_rows, decode_rows, prefill_rows)
+    return MatmulFloor(seconds, logits_rows, other_rows, decode_rows, prefill_rows)
 
 
-def print_roofline(engine, args, prompt_len: int, output_len: int) -> None:
-    """Decode MBU and prefill MFU of the engine's own runner (engine/roofline_bench.py): decode at
+@dataclass
+class Roofline:
+    device: str
+    peak: DevicePeak
+    decode: Measurement
+    prefill: Measurement
+
+
+def roofline(engine, args, prompt_len: int, output_len: int, num_requests: int) -> Optional[Roofline]:
+    """Decode MBU and prefill MFU of the engine's own runner (bench/roofline_bench.py): decode at
     the workload's batch (as many sequences as the KV pool holds) and mid-generation context,
-    prefill of one --roofline-prefill-len prompt. Runs after the workload: it overwrites KV blocks."""
-    from bench.roofline import device_peak
-    from bench.roofline_bench import measure_decode, measure_prefill
+    prefill of one --roofline-prefill-len prompt; None on CPU without explicit peaks. Runs after
+    the workload: it overwrites KV blocks."""
     runner = engine.runner
     if runner.device.type == "cuda":
         name = torch.cuda.get_device_name(runner.device)
     elif args.peak_bandwidth is None or args.peak_flops is None:
-        return
+        return None
     else:
         name = "CPU"
     peak = device_peak(name, args.peak_bandwidth, args.peak_flops)
     context = prompt_len + output_len // 2
     per_seq = -(-context // runner.block_size)
-    batch = max(1, min(args.num_requests_run, engine.config.max_num_seqs, runner.num_kv_blocks // per_seq))
+    batch = max(1, min(num_requests, engine.config.max_num_seqs, runner.num_kv_blocks // per_seq))
     prefill = min(args.roofline_prefill_len, runner.max_model_len, runner.num_kv_blocks * runner.block_size)
-    print(f"\n== roofline on {name} (peak {peak.bandwidth / 1e12:.2f} TB/s, {peak.bf16_flops / 1e12:.0f} TFLOP/s) ==")
-    print(measure_decode(runner, batch, context, 10, peak).line("GB/s", "MBU"))
-    print(measure_prefill(runner, 1, prefill, 3, peak).line("GFLOP/s", "MFU"))
+    return Roofline(name, peak, measure_decode(runner, batch, context, 10, peak),
+                    measure_prefill(runner, 1, prefill, 3, peak))
+
+
+@dataclass
+class HFResult:
+    batch_size: int
+    requests: int
+    seconds: float
+    output_tokens: int
+    prompt_tokens: int
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+@dataclass
+class BenchReport:
+    model_name: str
+    kv_blocks: int
+    prompt_lengths: list[int]
+    output_len: int
+    engine: EngineResult
+    roofline: Optional[Roofline] = None
+    floor: Optional[MatmulFloor] = None
+    hf: list[HFResult] = field(default_factory=list)     # empty with --skip-hf
+
+    @property
+    def best_hf(self) -> Optional[HFResult]:
+        return max(self.hf, key=lambda r: r.output_tps, default=None)
+
+    @property
+    def ratio(self) -> Optional[float]:
+        """Engine output tok/s over the best HF batch size's."""
+        best = self.best_hf
+        return None if best is None else self.engine.output_tps / best.output_tps
 
 
 def machine() -> str:
@@ -225,12 +280,12 @@ def machine() -> str:
 DUMMY_MAX_POSITIONS = 8192   # context of --dummy-weights models (the workload needs < 400 tokens)
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
     parser.add_argument("--dummy-weights", metavar="NAME", help="random weights of a Llama shape (llama-1b, "
-                        "llama-8b, llama-tiny; engine/dummy_weights.py) instead of --model, default tokenizer")
+                        "llama-8b, llama-tiny; bench/dummy_weights.py) instead of --model, default tokenizer")
     parser.add_argument("--tokenizer", default="default", help="with --dummy-weights: the tokenizer's model, or "
                         "a directory written by Tokenizer.save (default: the default model's)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (engine and HF baseline)")
@@ -253,24 +308,22 @@ def main(argv=None) -> None:
     parser.add_argument("--skip-hf", action="store_true", help="only our engine")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace, log=print) -> BenchReport:
+    """The whole benchmark; each section is logged as soon as it is measured."""
     num_requests = args.num_requests or (32 if args.quick else 256)
     output_len = args.output_len or (32 if args.quick else 128)
     hf_sizes = [int(x) for x in (args.hf_batch_sizes or ("1,8,32" if args.quick else "1,8,32,64")).split(",")]
     torch.set_num_threads(args.threads)
 
-    from nightshift.engine.engine import Engine, resolve_device
-    from nightshift.engine.tokenizer import load_tokenizer
-
     device = resolve_device(args.device)
-    config = {k: v for k, v in (("max_num_seqs", args.max_num_seqs),
-                                ("max_num_batched_tokens", args.max_num_batched_tokens)) if v is not None}
+    config = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     if args.kv_cache_gib is not None:
         config["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
     t0 = time.time()
     if args.dummy_weights:
-        from bench.dummy_weights import dummy_engine
         engine = dummy_engine(args.dummy_weights, quantization=args.quantization, device=device, dtype=args.dtype,
                               seed=args.seed, max_position_embeddings=DUMMY_MAX_POSITIONS, tokenizer=args.tokenizer,
                               **config)
@@ -281,30 +334,41 @@ def main(argv=None) -> None:
     tokenizer = load_tokenizer(args.tokenizer if args.dummy_weights else args.model)
     prompts = build_workload(tokenizer, num_requests, args.seed)
     lengths = [len(p) for p in prompts]
-    print(f"machine: {machine()}")
-    print(f"model: {engine.model_name}  quantization={args.quantization}  dtype={engine.runner.dtype}  "
-          f"load {load_seconds:.1f} s")
-    print(f"engine: max_num_seqs={engine.config.max_num_seqs} max_num_batched_tokens="
-          f"{engine.config.max_num_batched_tokens} block_size={engine.config.block_size} "
-          f"kv_blocks={engine.runner.num_kv_blocks}")
-    print(f"workload: {num_requests} requests, prompt tokens min/mean/max {min(lengths)}/"
-          f"{sum(lengths) / len(lengths):.0f}/{max(lengths)}, {output_len} output tokens each, EOS ignored")
+    log(f"machine: {machine()}")
+    log(f"model: {engine.model_name}  quantization={args.quantization}  dtype={engine.runner.dtype}  "
+        f"load {load_seconds:.1f} s")
+    log(f"engine: max_num_seqs={engine.config.max_num_seqs} max_num_batched_tokens="
+        f"{engine.config.max_num_batched_tokens} block_size={engine.config.block_size} "
+        f"kv_blocks={engine.runner.num_kv_blocks}")
+    log(f"workload: {num_requests} requests, prompt tokens min/mean/max {min(lengths)}/"
+        f"{sum(lengths) / len(lengths):.0f}/{max(lengths)}, {output_len} output tokens each, EOS ignored")
 
     run_engine(engine, prompts[:2], 2)  # warm-up (first-call allocations); not counted
     result = run_engine(engine, prompts, output_len)
+    report = BenchReport(engine.model_name, engine.runner.num_kv_blocks, lengths, output_len, result)
     total_tps = (result.prompt_tokens + result.output_tokens) / result.seconds
-    print("\n== nightshift engine ==")
-    print(f"time {result.seconds:.1f} s   steps {result.steps}   preemptions {result.preemptions}")
-    print(f"output tok/s {result.output_tps:9.1f}   total tok/s {total_tps:9.1f}")
-    print(f"TTFT {percentiles(result.ttft)}")
-    print(f"TPOT {percentiles(result.tpot)}")
-    print(f"prefix-hit rate {result.cached_tokens / result.prompt_tokens:.1%} "
-          f"({result.cached_tokens} of {result.prompt_tokens} prompt tokens)")
-    args.num_requests_run = num_requests
-    print_roofline(engine, args, round(sum(lengths) / len(lengths)), output_len)
-    floor = print_matmul_floor(engine, result, num_requests)
+    log("\n== nightshift engine ==")
+    log(f"time {result.seconds:.1f} s   steps {result.steps}   preemptions {result.preemptions}")
+    log(f"output tok/s {result.output_tps:9.1f}   total tok/s {total_tps:9.1f}")
+    log(f"TTFT {percentiles(result.ttft)}")
+    log(f"TPOT {percentiles(result.tpot)}")
+    log(f"prefix-hit rate {result.cached_tokens / result.prompt_tokens:.1%} "
+        f"({result.cached_tokens} of {result.prompt_tokens} prompt tokens)")
+    report.roofline = roofline(engine, args, round(sum(lengths) / len(lengths)), output_len, num_requests)
+    if report.roofline is not None:
+        r = report.roofline
+        log(f"\n== roofline on {r.device} (peak {r.peak.bandwidth / 1e12:.2f} TB/s, "
+            f"{r.peak.bf16_flops / 1e12:.0f} TFLOP/s) ==")
+        log(r.decode.line("GB/s", "MBU"))
+        log(r.prefill.line("GFLOP/s", "MFU"))
+    report.floor = floor = matmul_floor(engine, result, num_requests)
+    if floor is not None:
+        log(f"matmul floor {floor.seconds:.1f} s = {floor.seconds / result.seconds:.0%} of the run: the linear "
+            f"layers and LM head alone on its {floor.logits_rows + floor.other_rows} token rows "
+            f"({floor.logits_rows} with logits, at {floor.decode_rows}-row steps; the rest at "
+            f"{floor.prefill_rows}-row steps without the LM head)")
     if args.skip_hf:
-        return
+        return report
 
     hf_dtype = getattr(torch, args.hf_dtype)
     dummy_config = engine.runner.config if args.dummy_weights else None
@@ -312,25 +376,27 @@ def main(argv=None) -> None:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     if args.dummy_weights:  # the same random weights (same shape, seed and names) in transformers
-        from bench.dummy_weights import DummyCheckpoint
         hf = hf_model_from_checkpoint(DummyCheckpoint(dummy_config, seed=args.seed, device=device), hf_dtype, device)
     else:
         hf = hf_model_from_cache(args.model, hf_dtype).to(device)
     pad_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
-    print(f"\n== HF transformers generate() ({args.hf_dtype}, left-padded static batches, greedy) ==")
-    best = None
+    log(f"\n== HF transformers generate() ({args.hf_dtype}, left-padded static batches, greedy) ==")
     for size in hf_sizes:
         count = max(size, args.hf_requests or size)
         seconds, produced, prompt_tokens = run_hf(hf, prompts[:count], output_len, size, pad_id)
-        tps = produced / seconds
-        print(f"batch {size:3d}: {count} requests in {seconds:6.1f} s   output tok/s {tps:8.1f}   "
-              f"total tok/s {(produced + prompt_tokens) / seconds:8.1f}")
-        if best is None or tps > best[1]:
-            best = (size, tps)
-    print(f"\nratio: engine output tok/s / best HF (batch {best[0]}) = {result.output_tps / best[1]:.2f}x")
+        report.hf.append(HFResult(size, count, seconds, produced, prompt_tokens))
+        log(f"batch {size:3d}: {count} requests in {seconds:6.1f} s   output tok/s {produced / seconds:8.1f}   "
+            f"total tok/s {(produced + prompt_tokens) / seconds:8.1f}")
+    best = report.best_hf
+    log(f"\nratio: engine output tok/s / best HF (batch {best.batch_size}) = {report.ratio:.2f}x")
     if floor is not None:
-        print(f"5x the best HF would be {5 * best[1]:.1f} output tok/s: this run in "
-              f"{result.output_tokens / (5 * best[1]):.1f} s, against a matmul floor of {floor:.1f} s")
+        log(f"5x the best HF would be {5 * best.output_tps:.1f} output tok/s: this run in "
+            f"{result.output_tokens / (5 * best.output_tps):.1f} s, against a matmul floor of {floor.seconds:.1f} s")
+    return report
+
+
+def main(argv=None) -> None:
+    run(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`python -m bench.greedy_check`: our engine's greedy tokens vs HF transformers on one device.
 
-The rule (issue 4; for float32 it is issue 2's rule):
+The rule (the same for every device and dtype; only the near-tie margin depends on the dtype):
 * Reference: transformers' LlamaForCausalLM on the same weights, device and dtype, greedy, one
   prompt at a time, recording each step's logits.
 * Ours: every prompt in ONE Engine.generate call (continuous batching, chunked prefill with a
@@ -11,8 +11,9 @@ The rule (issue 4; for float32 it is issue 2's rule):
   16-32, below which rounding of either side can swap the two).
 * Pass: at least `min_equal` (0.9) of prompts equal and every other one diverging after a near-tie.
 
-The prompt set is the engine issue's: 8 chat questions with a shared system prompt, 4 without
-it, and 6 raw texts of mixed lengths (tests/engine/test_correctness.py uses this set).
+The prompt set: 8 chat questions with a shared system prompt (so the prefix cache and cascade
+attention are exercised), 4 without it, and 6 raw texts of mixed lengths (chunked prefill);
+tests/engine/test_correctness.py uses the same set.
 """
 from __future__ import annotations
 
@@ -129,7 +130,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
 
     from bench.engine import hf_model_from_cache
-    from nightshift.engine.engine import Engine, resolve_device, resolve_dtype
+    from nightshift.engine.engine import Engine
+    from nightshift.engine.engine_config import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -30,14 +30,17 @@ import argparse
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
-from nightshift.engine.model_runner import ModelRunner, StepItem
+from nightshift.engine.loader import load_model
+from nightshift.engine.model_runner import ModelRunner
 from nightshift.engine.quant.config import QuantConfig
-from nightshift.engine.quant.linear import Int4Linear
+from nightshift.engine.quant.int4_linear import Int4Linear
+from nightshift.engine.step import StepItem
+from nightshift.engine.tokenizer import load_tokenizer
 
 SUBJECTS = ("the moon", "photosynthesis", "the French Revolution", "a binary search tree",
             "coffee", "volcanoes", "the Python programming language", "honeybees")
@@ -102,7 +105,6 @@ class _Stepper:
 
 
 def _load(model: str, quant_config, cache_dir):
-    from nightshift.engine.loader import load_model
     return load_model(model, dtype=torch.float32, quant_config=quant_config, cache_dir=cache_dir)
 
 
@@ -133,8 +135,6 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
              cache_dir: str | None = None,
              variants: tuple[str, ...] | None = None, kernels: tuple[str, ...] = ("dense", "int4-kernel"),
              log=print) -> dict:
-    from nightshift.engine.tokenizer import load_tokenizer
-
     configs = {"gguf-import": QuantConfig(),
                "rtn-g128": QuantConfig(group_size=128, import_gguf_blocks=False),
                "awq-g128": QuantConfig(group_size=128, import_gguf_blocks=False, method="awq"),

@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from nightshift.engine.config import ModelConfig
+from nightshift.engine.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

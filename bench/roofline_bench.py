@@ -6,7 +6,7 @@ time over `--steps` steps gives output tok/s and MBU = (weight bytes + K/V bytes
 time / peak bandwidth. The cached K/V are left as the pool's zeros: the bytes read, and so the
 time, do not depend on their values.
 Prefill: `--prefill-prompts` fresh prompts of `--prefill-len` tokens in one step; MFU = model
-FLOPs (engine/roofline.py) / step time / peak dense bf16 FLOP/s.
+FLOPs (bench/roofline.py) / step time / peak dense bf16 FLOP/s.
 
 Weights: the model of `--model`, or random weights of a named Llama shape (`--dummy-weights
 llama-8b`). Peaks come from the device name on CUDA; elsewhere give --peak-bandwidth and
@@ -24,8 +24,14 @@ from typing import Optional
 
 import torch
 
+from bench.dummy_weights import build_dummy_model
 from bench.roofline import (DevicePeak, decode_step_bytes, device_peak, kv_bytes_per_token, prefill_flops,
                              utilisation, weight_bytes_per_step)
+from nightshift.engine.engine_config import resolve_device, resolve_dtype
+from nightshift.engine.loader import load_model
+from nightshift.engine.model_runner import ModelRunner
+from nightshift.engine.quant.config import resolve_quant_config
+from nightshift.engine.step import StepItem
 
 
 @dataclass
@@ -69,7 +75,6 @@ def _block_tables(runner, sequences: int, tokens: int, what: str) -> list[list[i
 def measure_decode(runner, batch: int, context: int, steps: int, peak: Optional[DevicePeak],
                    seed: int = 0) -> Measurement:
     """One decode step of `batch` sequences whose new token is at position context - 1."""
-    from nightshift.engine.model_runner import StepItem
     tables = _block_tables(runner, batch, context, f"decode batch {batch} x context {context}")
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, runner.config.vocab_size, (batch,), generator=g).tolist()
@@ -84,7 +89,6 @@ def measure_decode(runner, batch: int, context: int, steps: int, peak: Optional[
 def measure_prefill(runner, prompts: int, length: int, repeats: int, peak: Optional[DevicePeak],
                     seed: int = 0) -> Measurement:
     """One step prefilling `prompts` fresh prompts of `length` tokens (logits for each last token)."""
-    from nightshift.engine.model_runner import StepItem
     tables = _block_tables(runner, prompts, length, f"{prompts} prompts of {length} tokens")
     g = torch.Generator().manual_seed(seed)
     items = [StepItem(torch.randint(0, runner.config.vocab_size, (length,), generator=g).tolist(), 0, tables[p])
@@ -95,7 +99,17 @@ def measure_prefill(runner, prompts: int, length: int, repeats: int, peak: Optio
     return Measurement(f"prefill {prompts} x {length}", seconds, prompts * length, amount, util)
 
 
-def main(argv=None) -> None:
+@dataclass
+class RooflineReport:
+    device: str
+    peak: Optional[DevicePeak]
+    weight_bytes: int                 # read per step
+    kv_blocks: int
+    decode: list[Measurement]         # one per batch size
+    prefill: Optional[Measurement]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.roofline_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -114,24 +128,22 @@ def main(argv=None) -> None:
     parser.add_argument("--peak-bandwidth", type=float, help="bytes/s (default: by CUDA device name)")
     parser.add_argument("--peak-flops", type=float, help="dense bf16 FLOP/s (default: by CUDA device name)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    from nightshift.engine.engine import resolve_device, resolve_dtype, resolve_quantization
-    from nightshift.engine.model_runner import ModelRunner
 
+def run(args: argparse.Namespace, log=print) -> RooflineReport:
+    """Load the model, measure every decode batch size and the prefill step, logging each line."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    quant = resolve_quantization(args.quantization)
+    quant = resolve_quant_config(args.quantization)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
     max_len = max(args.context, args.prefill_len)
     t0 = time.time()
     if args.dummy_weights:
-        from bench.dummy_weights import build_dummy_model
         model = build_dummy_model(args.dummy_weights, dtype, device, quant, max_position_embeddings=max_len)
     else:
-        from nightshift.engine.loader import load_model
         model = load_model(args.model, dtype=dtype, device=device, quant_config=quant)
     if max_len > model.config.max_position_embeddings:
         raise SystemExit(f"--context/--prefill-len {max_len} exceed the model's context "
@@ -149,16 +161,23 @@ def main(argv=None) -> None:
         peak = None if args.peak_bandwidth is None or args.peak_flops is None else \
             device_peak(name, args.peak_bandwidth, args.peak_flops)
     weights = weight_bytes_per_step(model)
-    print(f"device: {name}" + ("" if peak is None else
-                               f"  (peak {peak.bandwidth / 1e12:.2f} TB/s, {peak.bf16_flops / 1e12:.0f} TFLOP/s bf16)"))
-    print(f"model: {model.config.name}  quantization={args.quantization}  dtype={dtype}  "
-          f"weights read per step {weights / 2**30:.2f} GiB  load {load_seconds:.1f} s")
-    print(f"KV pool: {blocks} blocks of {args.block_size}, {runner.kv_bytes_per_block * blocks / 2**30:.2f} GiB")
+    log(f"device: {name}" + ("" if peak is None else
+                             f"  (peak {peak.bandwidth / 1e12:.2f} TB/s, {peak.bf16_flops / 1e12:.0f} TFLOP/s bf16)"))
+    log(f"model: {model.config.name}  quantization={args.quantization}  dtype={dtype}  "
+        f"weights read per step {weights / 2**30:.2f} GiB  load {load_seconds:.1f} s")
+    log(f"KV pool: {blocks} blocks of {args.block_size}, {runner.kv_bytes_per_block * blocks / 2**30:.2f} GiB")
+    report = RooflineReport(name, peak, weights, blocks, [], None)
     for batch in batch_sizes:
-        print(measure_decode(runner, batch, args.context, args.steps, peak).line("GB/s", "MBU"), flush=True)
+        report.decode.append(measure_decode(runner, batch, args.context, args.steps, peak))
+        log(report.decode[-1].line("GB/s", "MBU"))
     if args.prefill_len > 0:
-        print(measure_prefill(runner, args.prefill_prompts, args.prefill_len, args.prefill_repeats, peak)
-              .line("GFLOP/s", "MFU"), flush=True)
+        report.prefill = measure_prefill(runner, args.prefill_prompts, args.prefill_len, args.prefill_repeats, peak)
+        log(report.prefill.line("GFLOP/s", "MFU"))
+    return report
+
+
+def main(argv=None) -> None:
+    run(parse_args(argv), log=lambda line: print(line, flush=True))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@ import torch
 
 from nightshift.engine.loader import resolve_model
 
+# Without CUDA the Triton kernels run in Triton's interpreter. Triton takes TRITON_INTERPRET when
+# it is first imported, and torch itself may import it early (torch.utils.flop_counter does), so
+# it is set here, before any test module loads.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The dev machine's 2 cores are shared by several test runs at once; torch's intra-op threads
 # then wait on each other (measured: a 1-token decode step 0.16 s on 1 thread, 0.7 s on 2).
 torch.set_num_threads(int(os.environ.get("NIGHTSHIFT_TEST_THREADS", "1")))

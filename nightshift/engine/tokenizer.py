@@ -6,8 +6,8 @@ special added tokens, user-defined ones plain added tokens). HF directory: `toke
 `tokenizer_config.json`. The chat template is the model's own (`tokenizer.chat_template`),
 rendered with jinja2 under transformers' conventions (sandbox, trim_blocks, lstrip_blocks,
 `raise_exception`, `tojson`, `strftime_now`, special tokens as variables) and tokenized without
-adding special tokens. A GGUF's tokenizer is cached in its model cache entry (see nightshift.engine.loader),
-so `load_tokenizer("default")` reads two small files.
+adding special tokens. A GGUF's tokenizer is cached in its model cache entry (engine/model_files.py;
+the loader writes it when it converts the GGUF), so `load_tokenizer("default")` reads two small files.
 """
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer as BackendTokenizer, decoders, models, pre_tokenizers, processors
+
+from nightshift.engine.gguf_file import GGUFFile
+from nightshift.engine.model_files import atomic_write, cache_entry, resolve_model
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "tokenizer_meta.json"
@@ -105,8 +108,6 @@ class Tokenizer:
 
     def save(self, folder: Path) -> None:
         """tokenizer.json + tokenizer_meta.json (meta written last: its presence marks a complete save)."""
-        from nightshift.engine.loader import atomic_write
-
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write(folder / TOKENIZER_FILE, lambda tmp: self.backend.save(tmp))
         meta = {"chat_template": self.chat_template, "special_tokens": self.special_tokens,
@@ -202,11 +203,9 @@ def save_gguf_tokenizer(meta: dict[str, Any], entry: Path) -> Tokenizer:
 
 
 def load_tokenizer(model: str = "default", cache_dir: Optional[str] = None) -> Tokenizer:
-    """The tokenizer of `model` (see nightshift.engine.loader.resolve_model), without loading any weights.
+    """The tokenizer of `model` (see model_files.resolve_model), without loading any weights.
     `model` may also be a directory written by `Tokenizer.save` (e.g. a converted model's cache
     entry): a tokenizer shipped without its weights, as the dummy-weight benchmarks use it."""
-    from nightshift.engine.loader import cache_entry, resolve_model
-
     if (Path(model).expanduser() / META_FILE).exists():
         return Tokenizer.load(Path(model).expanduser())
     path = Path(resolve_model(model))
@@ -215,5 +214,4 @@ def load_tokenizer(model: str = "default", cache_dir: Optional[str] = None) -> T
     entry = cache_entry(str(path), cache_dir)
     if (entry / META_FILE).exists():
         return Tokenizer.load(entry)
-    from nightshift.engine.gguf_file import GGUFFile
     return save_gguf_tokenizer(GGUFFile(str(path)).metadata, entry)

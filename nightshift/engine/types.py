@@ -1,4 +1,4 @@
-"""Public data types of the engine API (see DESIGN.md §3.1).
+"""Public data types of the engine API.
 
 These are the only engine objects the job layer touches: it builds
 GenerationRequest objects and reads GenerationOutput objects.

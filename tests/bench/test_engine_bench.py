@@ -1,6 +1,5 @@
 """bench.engine: the workload it builds, its HF baseline model, and the command end to end."""
 import os
-import re
 
 import pytest
 import torch
@@ -36,17 +35,20 @@ def test_hf_baseline_model_has_the_same_weights_as_transformers_gguf_load(hf_ref
 
 
 @pytest.mark.slow
-def test_bench_command_prints_the_report(capsys):
-    bench.main(["--num-requests", "3", "--output-len", "3", "--hf-batch-sizes", "1,2",
-                "--threads", str(min(2, os.cpu_count()))])
-    out = capsys.readouterr().out
-    for needle in ("== nightshift engine ==", "output tok/s", "total tok/s", "TTFT p50", "TPOT p50",
-                   "prefix-hit rate", "batch   1:", "batch   2:", "ratio: engine output tok/s / best HF"):
-        assert needle in out, needle
-    # 3 requests x 3 tokens: 9 rows with logits, the uncached prompt rows but one per request without
-    floor = re.search(r"matmul floor (\d+\.\d) s = \d+% of the run: .* on its (\d+) token rows \(9 with logits, "
-                      r"at 3-row steps; the rest at \d+-row steps without the LM head\)", out)
-    assert floor, out
-    assert re.search(r"5x the best HF would be \d+\.\d output tok/s: this run in \d+\.\d s, against a matmul "
-                     r"floor of " + re.escape(floor.group(1)) + " s", out)
-    assert "3 requests" in out and "3 output tokens each" in out
+def test_bench_command_reports_engine_floor_and_hf():
+    lines = []
+    report = bench.run(bench.parse_args(["--num-requests", "3", "--output-len", "3", "--hf-batch-sizes", "1,2",
+                                         "--threads", str(min(2, os.cpu_count()))]), log=lines.append)
+    result = report.engine
+    assert result.output_tokens == 9 and len(report.prompt_lengths) == 3 and report.output_len == 3
+    assert result.prompt_tokens == sum(report.prompt_lengths) and result.seconds > 0
+    assert len(result.ttft) == 3 and len(result.tpot) == 3 and report.roofline is None   # CPU, no peaks given
+    # 3 requests x 3 tokens: 9 rows with logits at 3-row steps, the uncached prompt rows but one per
+    # request without the LM head
+    floor = report.floor
+    assert (floor.logits_rows, floor.decode_rows) == (9, 3) and floor.seconds > 0
+    assert floor.other_rows == result.prompt_tokens - result.cached_tokens - 3
+    assert [(r.batch_size, r.requests, r.output_tokens) for r in report.hf] == [(1, 1, 3), (2, 2, 6)]
+    assert report.ratio == pytest.approx(result.output_tps / max(r.output_tps for r in report.hf))
+    assert any("== nightshift engine ==" in line for line in lines)     # sections are logged as they finish
+    assert any(line.startswith("5x the best HF") for line in lines)

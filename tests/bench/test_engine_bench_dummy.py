@@ -1,7 +1,5 @@
 """bench.engine with --dummy-weights (random Llama-shape weights, in our engine and in the HF
 baseline) and the roofline lines (MBU/MFU; on CPU only with explicit peaks)."""
-import re
-
 import torch
 
 from bench import engine as bench
@@ -20,12 +18,15 @@ def test_hf_baseline_gets_the_same_dummy_weights():
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_bench_dummy_weights_prints_throughput_ratio_and_roofline(capsys):
-    bench.main(["--dummy-weights", "llama-tiny", "--device", "cpu", "--num-requests", "3", "--output-len", "3",
-                "--hf-batch-sizes", "1", "--threads", "1", "--peak-bandwidth", "50e9", "--peak-flops", "1e12",
-                "--roofline-prefill-len", "64", "--kv-cache-gib", "0.01"])
-    out = capsys.readouterr().out
-    assert "model: dummy-llama-tiny" in out
-    assert re.search(r"decode batch 3 ctx \d+ .* MBU +\d+\.\d%", out)
-    assert re.search(r"prefill 1 x 64 .* MFU +\d+\.\d%", out)
-    assert "ratio: engine output tok/s / best HF (batch 1)" in out
+def test_bench_dummy_weights_reports_throughput_ratio_and_roofline():
+    report = bench.run(bench.parse_args([
+        "--dummy-weights", "llama-tiny", "--device", "cpu", "--num-requests", "3", "--output-len", "3",
+        "--hf-batch-sizes", "1", "--threads", "1", "--peak-bandwidth", "50e9", "--peak-flops", "1e12",
+        "--roofline-prefill-len", "64", "--kv-cache-gib", "0.01"]), log=lambda line: None)
+    assert report.model_name == "dummy-llama-tiny" and report.engine.output_tokens == 9
+    roofline = report.roofline
+    assert roofline.device == "CPU" and roofline.peak.bandwidth == 50e9
+    assert roofline.decode.tokens == 3 and roofline.decode.label.startswith("decode batch 3 ctx ")
+    assert roofline.decode.utilisation > 0 and roofline.prefill.utilisation > 0
+    assert (roofline.prefill.label, roofline.prefill.tokens) == ("prefill 1 x 64", 64)
+    assert [r.batch_size for r in report.hf] == [1] and report.ratio > 0

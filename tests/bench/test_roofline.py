@@ -4,10 +4,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from nightshift.engine.attention import AttentionMetadata, PrefillSpan
 from bench.dummy_weights import build_dummy_model, dummy_config
+from nightshift.engine.attention import TorchAttention
+from nightshift.engine.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from nightshift.engine.layers import cpu_gemm
-from nightshift.engine.model_runner import kv_bytes_per_block
+from nightshift.engine.step import StepItem
 from bench.roofline import (attention_flops, decode_step_bytes, device_peak, kv_bytes_per_token,
                              matmul_params_per_token, prefill_flops, utilisation, weight_bytes_per_step)
 
@@ -70,12 +71,12 @@ def test_prefill_flops_matmul_part_matches_torch_flop_counter(monkeypatch):
     model = build_dummy_model("llama-tiny")
     c = model.config
     n = 12
-    meta = AttentionMetadata(slot_mapping=torch.arange(n), prefills=[PrefillSpan(0, n, 0, None, None)])
-    shape = (4, 16, c.num_kv_heads, c.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(c.num_layers)]
+    attention = TorchAttention(c, 16, torch.float32, torch.device("cpu"))
+    meta = attention.build_metadata([StepItem(list(range(n)), 0, [0])])    # one fresh prompt, one block
+    caches = allocate_kv_caches(c, 4, 16, torch.float32, torch.device("cpu"))
     counter = FlopCounterMode(display=False)
     with counter, torch.inference_mode():
-        model(torch.arange(n), torch.arange(n), caches, meta, torch.tensor([n - 1]))
+        model(torch.arange(n), torch.arange(n), caches, attention, meta, torch.tensor([n - 1]))
     counts = counter.get_flop_counts()["Global"]
     matmul = sum(v for op, v in counts.items() if "mm" in str(op))
     assert matmul == prefill_flops(c, [(0, n)]) - attention_flops(c, [(0, n)])

@@ -1,9 +1,8 @@
-"""`python -m bench.runner`: the matmul floor and the step times it prints."""
-import re
-
+"""`python -m bench.runner`: the matmul floor and the step times it measures."""
 import torch
 
-from bench.runner import main, matmul_floor
+from bench.runner import matmul_floor, parse_args, run
+from nightshift.engine.kernels import cpu_paged_attention
 
 
 def test_matmul_floor_times_every_linear_and_the_lm_head(fp32_model):
@@ -23,16 +22,21 @@ def test_matmul_floor_times_every_linear_and_the_lm_head(fp32_model):
     assert len(calls) == 2 * (4 * layers + head)
 
 
-def test_prints_floor_kernel_and_torch_paths(capsys):
+def test_times_floor_kernel_and_torch_paths(fp32_model):
     torch_threads = torch.get_num_threads()
-    main(["--batch", "2", "--repeats", "1", "--buckets", "64", "--chunk", "16", "--threads", "1",
-          "--min-len", "40", "--max-len", "60", "--shared-blocks", "2"])
+    args = parse_args(["--batch", "2", "--repeats", "1", "--buckets", "64", "--chunk", "16", "--threads", "1",
+                       "--min-len", "40", "--max-len", "60", "--shared-blocks", "2"])
+    lines = []
+    timings = run(args, model=fp32_model, log=lines.append)
     torch.set_num_threads(torch_threads)
-    out = capsys.readouterr().out
-    assert re.search(r"decode B=  2 matmul floor .* ms/step", out)
-    assert re.search(r"decode B=  2 ctx 40-60 torch cascade=on  bucket=    64: .* tok/s", out)
-    assert re.search(r"decode B=  2 ctx 40-60 torch cascade=off bucket=    64: .* tok/s", out)
-    assert "prefill chunk of 16 over 32 cached" in out
+    steps = [(t.what, t.rows, t.cascade, t.bucket) for t in timings]
+    c = fp32_model.config
+    kernel = cpu_paged_attention.supports(torch.float32, c.num_heads, c.num_kv_heads, c.head_dim)
+    assert steps == [("matmul floor", 2, None, None)] + [("cpu attention kernel", 2, None, None)] * kernel + \
+        [("torch", 2, True, 64), ("torch", 2, False, 64), ("prefill", 16, None, None)]
+    assert timings[-1].cached == 32                       # 2 shared blocks of 16
+    assert all(t.seconds > 0 and t.tokens_per_second == t.rows / t.seconds for t in timings)
+    assert len(lines) == len(timings)                     # one line each, as measured
 
 
 def test_workload_matmul_floor_counts_the_lm_head_only_on_rows_with_logits(monkeypatch):

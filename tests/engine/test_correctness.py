@@ -4,8 +4,9 @@ Our engine (float32) runs all prompts in ONE generate call: paged KV, continuous
 batching over mixed prompt lengths, chunked prefill (a small max_num_batched_tokens
 splits the long prompts) and the prefix cache (several prompts share a system prompt).
 The reference is transformers' own greedy decoding of each prompt alone, on the same
-GGUF weights. Near-tie rule (issue 2): at a position where the reference's top two
-logits are within 1e-3, that position and the rest of the prompt are not compared;
+GGUF weights. Near-tie rule: at a position where the reference's top two logits are
+within 1e-3, float32 rounding in either implementation (a different summation order) can
+swap them, so that position and the rest of the prompt are not compared;
 at least 15 of 16 prompts must be equal in full. The same comparison holds for the
 prefix cache off, and for each prompt run alone.
 """
@@ -14,7 +15,7 @@ import torch
 
 from nightshift.engine.engine import Engine
 from bench.greedy_check import default_prompts   # the one prompt set (also used on GPU)
-from nightshift.engine.loader import model_name, resolve_model
+from nightshift.engine.model_files import model_name, resolve_model
 from nightshift.engine.tokenizer import load_tokenizer
 from nightshift.engine.types import GenerationRequest, SamplingParams
 

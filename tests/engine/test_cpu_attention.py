@@ -1,4 +1,4 @@
-"""The CPU paged-attention kernel (engine/cpu_attention.py) against plain softmax attention."""
+"""The CPU paged-attention kernel (engine/kernels/cpu_paged_attention.py) against plain softmax attention."""
 from __future__ import annotations
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from nightshift.engine import cpu_attention
+from nightshift.engine.kernels import cpu_paged_attention
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale):
@@ -26,7 +26,7 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
 
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16)])
 def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size):
-    if cpu_attention.load(heads // kv_heads, dim) is None:
+    if cpu_paged_attention.load(heads // kv_heads, dim) is None:
         pytest.skip("no C compiler here: the runner uses the torch path")
     rng = random.Random(heads)
     num_blocks = 96
@@ -45,13 +45,13 @@ def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size):
         tables[i, :blocks] = torch.tensor(own)
     q = torch.randn(len(lens), heads, dim) * 3   # sharp softmaxes too
     lengths = torch.tensor(lens, dtype=torch.int32)
-    out = cpu_attention.paged_attention(q, k_cache, v_cache, tables, lengths, dim ** -0.5)
+    out = cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lengths, dim ** -0.5)
     expected = reference(q, k_cache, v_cache, tables, lengths, dim ** -0.5)
     assert out.shape == q.shape
     assert (out - expected).abs().max().item() < 1e-4
 
 
 def test_supports_only_float32_and_its_buffers():
-    assert not cpu_attention.supports(torch.bfloat16, 9, 3, 64)
-    assert not cpu_attention.supports(torch.float32, cpu_attention.MAX_GROUP + 1, 1, 64)
-    assert not cpu_attention.supports(torch.float32, 9, 3, cpu_attention.MAX_HEAD_DIM + 1)
+    assert not cpu_paged_attention.supports(torch.bfloat16, 9, 3, 64)
+    assert not cpu_paged_attention.supports(torch.float32, cpu_paged_attention.MAX_GROUP + 1, 1, 64)
+    assert not cpu_paged_attention.supports(torch.float32, 9, 3, cpu_paged_attention.MAX_HEAD_DIM + 1)

@@ -4,7 +4,7 @@ import threading
 import pytest
 
 from nightshift.engine.engine import Engine
-from nightshift.engine.loader import model_name, resolve_model
+from nightshift.engine.model_files import model_name, resolve_model
 from nightshift.engine.tokenizer import load_tokenizer
 from nightshift.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
-from nightshift.engine.config import ModelConfig
-from nightshift.engine.loader import cache_entry, load_checkpoint, load_model, model_name, resolve_model, source_fingerprint
+from nightshift.engine.loader import load_checkpoint, load_model
+from nightshift.engine.model_config import ModelConfig
+from nightshift.engine.model_files import cache_entry, model_name, resolve_model, source_fingerprint
 from nightshift.engine.model_runner import ModelRunner, StepItem
 
 pytestmark = pytest.mark.slow

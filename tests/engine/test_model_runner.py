@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 
+from nightshift.engine.attention import CpuKernelAttention, TorchAttention
 from nightshift.engine.model_runner import ModelRunner, StepItem
 
 pytestmark = pytest.mark.slow
@@ -88,10 +89,11 @@ def run_schedule(runner, sequences, tables, chunk_sizes):
 
 
 def kernel_runner(cpu_kernel: bool, *args, **kwargs) -> ModelRunner:
-    """A runner with the CPU paged-attention kernel (engine/cpu_attention.py) on or off."""
+    """A runner with the CPU paged-attention kernel (engine/kernels/cpu_paged_attention.py) on or off."""
     runner = ModelRunner(*args, cpu_kernel=cpu_kernel, **kwargs)
-    if cpu_kernel and not runner.cpu_kernel:
+    if cpu_kernel and not isinstance(runner.attention, CpuKernelAttention):
         pytest.skip("the CPU attention kernel does not build here")
+    assert cpu_kernel or isinstance(runner.attention, TorchAttention)
     return runner
 
 
@@ -214,15 +216,19 @@ def test_shared_prefix_blocks_match_transformers(fp32_model, hf_reference_model,
             worst = max(worst, (row - ref[n + step]).abs().max().item())
     assert worst < TOLERANCE, f"max abs logit difference {worst:.2e}"
     items = [StepItem([1], n, t) for n, t in zip(prompt_lens, tables)]
-    families = runner._decode_families(items)
+    if cpu_kernel:   # one kernel call takes every decode row and reads shared blocks in place: no families
+        meta = runner.attention.build_metadata(items)
+        assert meta.decode_rows.num_rows == len(sequences) and meta.item_order == list(range(len(sequences)))
+        return
+    families = runner.attention.decode_families(items)
     assert sorted(i for f in families for i in f) == list(range(len(sequences)))
-    with_prefix = [f for f in families if runner._shared_prefix_blocks([items[i] for i in f])]
+    with_prefix = [f for f in families if runner.attention.shared_prefix_blocks([items[i] for i in f])]
     expected = {owner for owner in owners if owners.count(owner) > 1} if shared_prefix_attention else set()
     assert len(with_prefix) == len(expected)
 
 
 def test_attention_with_lse_math_matches_cpu_kernel():
-    from nightshift.engine.attention import attention_with_lse, attention_with_lse_math
+    from nightshift.engine.attention.torch_paged import attention_with_lse, attention_with_lse_math
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16)
     mask = torch.zeros(2, 1, 1, 9)

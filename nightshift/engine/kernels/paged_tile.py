@@ -1,8 +1,9 @@
 """Triton pieces shared by the paged-attention kernels (decode and prefill).
 
-`check_paged_inputs` validates q against the pool; `load_kv_tile` reads the K and V of positions `pos` of one sequence and one KV head from the
-paged pool through the sequence's block table; `online_softmax_step` folds one tile of scores
-into the running max, sum and output (flash-attention's online softmax).
+`check_paged_inputs` validates q against the pool; `load_kv_tile` reads the K and V of positions
+`pos` of one sequence and one KV head from the paged pool through the sequence's block table;
+`online_softmax_step` folds one tile of scores into the running max, sum and output
+(flash-attention's online softmax).
 """
 import torch
 import triton

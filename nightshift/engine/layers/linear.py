@@ -1,23 +1,21 @@
-"""The linear-layer seam: the model builds every projection with `build_linear`.
+"""The linear-layer seam: the model builds every projection through a `LinearFactory`.
 
-Full precision is a plain dense matmul (float32 on CPU: oneDNN with the weight packed once,
-engine/layers/cpu_gemm.py). The INT4 path (engine/quant/) plugs in here: it receives the same
-`WeightSource`, which can hand out the checkpoint's raw GGUF blocks as well as the dense weight,
-so GGUF Q4_0/Q4_1 tensors import without re-quantizing.
+The model is given its factory by whoever builds it (the loader, a benchmark): `DenseLinearFactory`
+(full precision: a plain dense matmul, float32 on CPU through oneDNN with the weight packed once,
+engine/layers/cpu_gemm.py), or the INT4 one of engine/quant/linear_factory.py, which receives the
+same `WeightSource`; that can hand out the checkpoint's raw GGUF blocks as well as the dense
+weight, so GGUF Q4_0/Q4_1 tensors import without re-quantizing. Nothing here knows about INT4.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
 from nightshift.engine.layers import cpu_gemm
-
-if TYPE_CHECKING:
-    from nightshift.engine.quant.config import QuantConfig
 
 
 @dataclass
@@ -87,9 +85,22 @@ class DenseLinear(nn.Module):
         return cpu_gemm.linear(x, self.dense if self.packed is None else self.packed, self.bias)
 
 
-def build_linear(source: WeightSource, quant_config: "Optional[QuantConfig]" = None) -> nn.Module:
-    """A module computing `x @ W.T (+ b)` for the projection `source` describes."""
-    if quant_config is not None and quant_config.quantizes(source.name):
-        from nightshift.engine.quant.linear import build_int4_linear  # the INT4 path (issue 3)
-        return build_int4_linear(source, quant_config)
-    return DenseLinear(source.weight(), source.bias())
+class LinearFactory(Protocol):
+    """Builds the module of each projection of the model."""
+
+    def __call__(self, source: WeightSource) -> nn.Module:
+        """A module computing `x @ W.T (+ b)` for the projection `source` describes."""
+
+    def is_dense(self, layer_name: str) -> bool:
+        """Whether the layer of this name would be a full-precision DenseLinear (the model then
+        may reuse the token embedding as a tied LM head instead of building one)."""
+
+
+class DenseLinearFactory:
+    """Every projection full precision."""
+
+    def __call__(self, source: WeightSource) -> DenseLinear:
+        return DenseLinear(source.weight(), source.bias())
+
+    def is_dense(self, layer_name: str) -> bool:
+        return True

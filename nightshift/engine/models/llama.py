@@ -1,22 +1,28 @@
 """Llama-family decoder (Llama, SmolLM, Qwen2, Mistral shapes) in plain torch, over a paged KV cache.
 
-The forward takes one flat batch of tokens (every sequence's new tokens concatenated) and an
-`AttentionMetadata` saying which rows belong to which sequence and where their K/V live.
-q/k/v and gate/up are fused projections (one matmul each), built through `build_linear`.
+The forward takes one flat batch of tokens (every sequence's new tokens concatenated), the
+attention backend of the step and its metadata, which says which rows belong to which sequence
+and where their K/V live (engine/attention/). q/k/v and gate/up are fused projections (one
+matmul each), each built by the model's LinearFactory (engine/layers/linear.py): dense unless
+the builder passes another one (the loader's INT4 factory).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nightshift.engine.attention import AttentionMetadata, paged_attention, store_kv
-from nightshift.engine.config import ModelConfig, rope_scaling_type
+from nightshift.engine.attention.base import AttentionBackend, StepMetadata
+from nightshift.engine.kv_cache import KVCache
 from nightshift.engine.layers import cpu_gemm
-from nightshift.engine.layers.linear import DenseLinear, WeightSource, build_linear
+from nightshift.engine.layers.linear import DenseLinear, DenseLinearFactory, LinearFactory, WeightSource
+from nightshift.engine.model_config import ModelConfig, rope_scaling_type
+
+# builds the projection `name` from the checkpoint parts stacked along its output dim
+Projection = Callable[[str, list[str]], nn.Module]
 
 
 class RMSNorm(nn.Module):
@@ -80,18 +86,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, source, quant_config):
+    def __init__(self, config: ModelConfig, layer: int, projection: Projection):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.scale = self.head_dim ** -0.5
         prefix = f"model.layers.{layer}.self_attn"
-        self.qkv_proj = build_linear(source(f"{prefix}.qkv_proj", [f"{prefix}.{p}_proj" for p in "qkv"]), quant_config)
-        self.o_proj = build_linear(source(f"{prefix}.o_proj", [f"{prefix}.o_proj"]), quant_config)
+        self.qkv_proj = projection(f"{prefix}.qkv_proj", [f"{prefix}.{p}_proj" for p in "qkv"])
+        self.o_proj = projection(f"{prefix}.o_proj", [f"{prefix}.o_proj"])
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
-    def forward(self, x, cos, sin, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata):
+    def forward(self, x, cos, sin, kv_cache: KVCache, attention: AttentionBackend, meta: StepMetadata):
         tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         # q and k heads rotated in one go (fewer ops per layer; per-op overhead matters on CPU)
@@ -99,19 +105,18 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
-        store_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        attention.store_kv(k_cache, v_cache, k, v, meta)
+        out = attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, source, quant_config):
+    def __init__(self, config: ModelConfig, layer: int, projection: Projection):
         super().__init__()
         prefix = f"model.layers.{layer}.mlp"
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = build_linear(
-            source(f"{prefix}.gate_up_proj", [f"{prefix}.gate_proj", f"{prefix}.up_proj"]), quant_config)
-        self.down_proj = build_linear(source(f"{prefix}.down_proj", [f"{prefix}.down_proj"]), quant_config)
+        self.gate_up_proj = projection(f"{prefix}.gate_up_proj", [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj = projection(f"{prefix}.down_proj", [f"{prefix}.down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -119,26 +124,27 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, source, tensor, quant_config):
+    def __init__(self, config: ModelConfig, layer: int, projection: Projection, tensor):
         super().__init__()
         prefix = f"model.layers.{layer}"
         self.input_layernorm = RMSNorm(tensor(f"{prefix}.input_layernorm.weight"), config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(tensor(f"{prefix}.post_attention_layernorm.weight"),
                                                 config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, source, quant_config)
-        self.mlp = MLP(config, layer, source, quant_config)
+        self.self_attn = Attention(config, layer, projection)
+        self.mlp = MLP(config, layer, projection)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+    def forward(self, x, cos, sin, kv_cache, attention, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attention, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
     """Built from a checkpoint (see nightshift.engine.loader.Checkpoint): `checkpoint.tensor(name)` gives a
-    float tensor by HF name, `checkpoint.gguf(name)` raw GGUF blocks or None."""
+    float tensor by HF name, `checkpoint.gguf(name)` raw GGUF blocks or None. `linear` builds every
+    projection (default: full precision)."""
 
     def __init__(self, config: ModelConfig, checkpoint, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu", quant_config=None):
+                 device: torch.device | str = "cpu", linear: Optional[LinearFactory] = None):
         super().__init__()
         self.config = config
         self.dtype = dtype
@@ -150,31 +156,33 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint is missing tensor {name!r}")
             return value.to(device=device, dtype=dtype)
 
-        def source(name: str, parts: list[str]) -> WeightSource:
-            return WeightSource(name, parts, checkpoint.tensor, checkpoint.gguf, dtype, device)
+        linear = linear if linear is not None else DenseLinearFactory()
+
+        def projection(name: str, parts: list[str]) -> nn.Module:
+            return linear(WeightSource(name, parts, checkpoint.tensor, checkpoint.gguf, dtype, device))
 
         self.embed_tokens = nn.Parameter(tensor("model.embed_tokens.weight"), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, source, tensor, quant_config)
-                                    for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, projection, tensor) for i in range(config.num_layers))
         self.norm = RMSNorm(tensor("model.norm.weight"), config.rms_norm_eps)
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
-        if config.tie_word_embeddings and (quant_config is None or not quant_config.quantizes("lm_head")):
+        if config.tie_word_embeddings and linear.is_dense("lm_head"):
             # reuse the embedding matrix (no second copy), except where the CPU's packed float32
             # layout makes the LM head up to 2x faster (engine/layers/cpu_gemm.py): a packed copy
             self.lm_head = DenseLinear(self.embed_tokens, None) if cpu_gemm.applies(self.embed_tokens) else None
         else:
-            self.lm_head = build_linear(source("lm_head", [head]), quant_config)
+            self.lm_head = projection("lm_head", [head])
         freq_divisors = checkpoint.tensor("rope_freqs")
         self.rotary = RotaryEmbedding(config, freq_divisors).to(device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, logits_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns float32 logits for `logits_rows` (indices into T),
-        or for every row when None."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attention: AttentionBackend, meta: StepMetadata,
+                logits_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """input_ids, positions: [T], rows in `meta`'s order. Returns float32 logits for
+        `logits_rows` (indices into T), or for every row when None."""
         x = F.embedding(input_ids, self.embed_tokens)
         cos, sin = self.rotary(positions, self.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta)
+            x = layer(x, cos, sin, kv_cache, attention, meta)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
         return self.project_logits(self.norm(x)).float()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from nightshift.engine.quant.calibration import ActivationStats
+from nightshift.engine.quant.activation_stats import ActivationStats
 from nightshift.engine.quant.format import Int4Weight, quantize_rtn
 
 ALPHAS = tuple(i / 10 for i in range(11))

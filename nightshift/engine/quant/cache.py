@@ -5,25 +5,23 @@ One safetensors file per (model source fingerprint, QuantConfig.cache_tag()), un
 ``.mins`` (our format, engine/quant/format.py), ``.input_scale`` for AWQ layers, and the group
 size in the metadata.
 
-The loader opens it around model construction::
+The loader opens it and hands it to the model's Int4LinearFactory (engine/quant/linear_factory.py)::
 
-    with quantized_checkpoint_cache(root, fingerprint, quant_config):
-        model = build_model(...)           # build_int4_linear() reads/fills the active cache
+    cache = QuantizedCheckpointCache(cache_file(root, fingerprint, quant_config))
+    model = build_model(..., linear=Int4LinearFactory(quant_config, cache, calibrate))
+    cache.save_if_changed()
 
-Layers missing from the file are quantized and the file is rewritten (atomically) on exit.
-``calibrate`` (for the calibrated methods: awq, gptq, awq-gptq) returns per-layer activation
-statistics; it runs only when a layer actually has to be quantized, never on a cache hit.
+The factory takes cached layers from it and puts the layers it had to quantize into it; the
+file is then rewritten (atomically) if any were added.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Optional
 
 import torch
 from safetensors import safe_open
@@ -37,10 +35,8 @@ _PARTS = ("qweight", "scales", "mins")
 
 
 class QuantizedCheckpointCache:
-    def __init__(self, path: Path, calibrate: Optional[Callable[[], dict]] = None):
-        self.path = path
-        self._calibrate = calibrate
-        self._stats: Optional[dict] = None
+    def __init__(self, path: Path):
+        self.path = Path(path)
         self._weights: dict[str, Int4Weight] = {}
         self._input_scales: dict[str, torch.Tensor] = {}
         self.hits = 0
@@ -77,14 +73,10 @@ class QuantizedCheckpointCache:
         if input_scale is not None:
             self._input_scales[layer] = input_scale.detach().cpu().contiguous()
 
-    def activation_stats(self) -> dict:
-        """Calibration statistics for AWQ, computed on first use."""
-        if self._stats is None:
-            if self._calibrate is None:
-                raise ValueError("methods awq/gptq/awq-gptq need calibration activations: load the model through "
-                                 "nightshift.engine.loader.load_model")
-            self._stats = self._calibrate()
-        return self._stats
+    def save_if_changed(self) -> None:
+        """Rewrite the file when layers were added since it was read."""
+        if self.misses:
+            self.save()
 
     def save(self) -> None:
         tensors = {f"{layer}.{p}": getattr(w, p) for layer, w in self._weights.items() for p in _PARTS}
@@ -105,24 +97,3 @@ class QuantizedCheckpointCache:
 def cache_file(root: Path, source_fingerprint: str, config: QuantConfig) -> Path:
     tag = hashlib.sha256(config.cache_tag().encode()).hexdigest()[:16]
     return Path(root) / "int4" / f"{source_fingerprint[:20]}-{tag}.safetensors"
-
-
-_active: contextvars.ContextVar[Optional[QuantizedCheckpointCache]] = contextvars.ContextVar(
-    "nightshift_int4_cache", default=None)
-
-
-def active_cache() -> Optional[QuantizedCheckpointCache]:
-    return _active.get()
-
-
-@contextlib.contextmanager
-def quantized_checkpoint_cache(root, source_fingerprint: str, config: QuantConfig,
-                               calibrate: Optional[Callable[[], dict]] = None) -> Iterator[QuantizedCheckpointCache]:
-    cache = QuantizedCheckpointCache(cache_file(Path(root), source_fingerprint, config), calibrate)
-    token = _active.set(cache)
-    try:
-        yield cache
-    finally:
-        _active.reset(token)
-    if cache.misses:
-        cache.save()

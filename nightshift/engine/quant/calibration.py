@@ -2,19 +2,22 @@
 
 The full-precision model reads ``CALIBRATION_TEXTS`` as chat turns and continues each greedily
 for ``CONTINUATION_TOKENS`` tokens (its own answers: the distribution a chat model is then used
-on, none of them from engine/quality.py's evaluation prompts); the prompts plus continuations
-are then run once more while every dense linear (not the lm_head) records its inputs:
+on, none of them from bench/quality.py's evaluation prompts); the prompts plus continuations
+are then run once more while every dense linear (not the lm_head) records its inputs
+(engine/quant/activation_stats.py).
 
-* ``mean_abs`` [K]: mean |x| per input channel (AWQ's saliency);
-* ``sample`` [R, K]: up to ``max_rows`` of the input rows (AWQ's error measure);
-* ``xtx`` [K, K] and ``rows``: the sum of x^T x over all rows (GPTQ's Hessian ``2 X^T X``).
+The loader builds the full-precision model and the tokenizer and calls ``calibration_stats``
+(engine/loader.py), only when a layer misses the quantized-weight cache.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
+
+from nightshift.engine.model_runner import ModelRunner
+from nightshift.engine.quant.activation_stats import ActivationStats, collect_activation_stats
+from nightshift.engine.step import StepItem
 
 CALIBRATION_TEXTS = (
     "The history of science is full of surprising discoveries, accidents and long arguments.",
@@ -37,55 +40,8 @@ CALIBRATION_TEXTS = (
 CONTINUATION_TOKENS = 96
 
 
-@dataclass
-class ActivationStats:
-    mean_abs: torch.Tensor            # [K] float32, mean |x| per input channel
-    sample: torch.Tensor              # [R, K] float32, a subsample of calibration rows
-    xtx: torch.Tensor | None = None   # [K, K] float64, sum over all rows of x^T x
-    rows: int = 0                     # rows summed in xtx
-
-
-def collect_activation_stats(model, run_calibration, max_rows: int = 512) -> dict[str, ActivationStats]:
-    """Hooks every dense linear of ``model`` (names as in WeightSource: "model." + module path),
-    calls ``run_calibration()`` and returns per-layer input statistics."""
-    sums: dict[str, torch.Tensor] = {}
-    xtx: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    samples: dict[str, list[torch.Tensor]] = {}
-    hooks = []
-    generator = torch.Generator().manual_seed(0)
-
-    def hook_for(name):
-        def hook(_module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).float()
-            sums[name] = sums.get(name, 0) + x.abs().sum(0)
-            xd = x.double()
-            xtx[name] = xtx.get(name, 0) + xd.t() @ xd
-            counts[name] = counts.get(name, 0) + x.shape[0]
-            keep = torch.randperm(x.shape[0], generator=generator)[:max_rows]
-            samples.setdefault(name, []).append(x[keep])
-        return hook
-
-    for path, module in model.named_modules():
-        if type(module).__name__ == "DenseLinear" and path != "lm_head":
-            hooks.append(module.register_forward_pre_hook(hook_for(f"model.{path}")))
-    try:
-        run_calibration()
-    finally:
-        for h in hooks:
-            h.remove()
-    stats = {}
-    for name, total in sums.items():
-        rows = torch.cat(samples[name])
-        rows = rows[torch.randperm(rows.shape[0], generator=generator)[:max_rows]]
-        stats[name] = ActivationStats(total / counts[name], rows, xtx[name], counts[name])
-    return stats
-
-
 def calibration_sequences(fp_model, tokenizer, continuation_tokens: int = CONTINUATION_TOKENS) -> list[list[int]]:
     """Each calibration text as a chat turn followed by the model's greedy answer."""
-    from nightshift.engine.model_runner import StepItem
-
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in CALIBRATION_TEXTS]
     runner, tables = _runner_for(fp_model, [len(p) + continuation_tokens for p in prompts])
     sequences = [list(p) for p in prompts]
@@ -101,8 +57,6 @@ def calibration_sequences(fp_model, tokenizer, continuation_tokens: int = CONTIN
 
 def calibration_stats(fp_model, tokenizer) -> dict[str, ActivationStats]:
     """Activation statistics of ``fp_model`` (dense layers) over the calibration sequences."""
-    from nightshift.engine.model_runner import StepItem
-
     sequences = calibration_sequences(fp_model, tokenizer)
     runner, tables = _runner_for(fp_model, [len(s) for s in sequences])
     items = [StepItem(s, 0, t) for s, t in zip(sequences, tables)]
@@ -112,19 +66,7 @@ def calibration_stats(fp_model, tokenizer) -> dict[str, ActivationStats]:
 
 def _runner_for(fp_model, lengths: list[int], block_size: int = 16):
     """A ModelRunner with room for sequences of `lengths` tokens, and each one's block table."""
-    from nightshift.engine.model_runner import ModelRunner
-
     blocks = [math.ceil(n / block_size) for n in lengths]
     starts = [sum(blocks[:i]) for i in range(len(blocks))]
     runner = ModelRunner(fp_model, num_kv_blocks=sum(blocks), block_size=block_size)
     return runner, [list(range(s, s + n)) for s, n in zip(starts, blocks)]
-
-
-def checkpoint_calibrator(checkpoint, model: str, cache_dir=None):
-    """The loader's ``calibrate`` callback: builds the float32 model and measures it."""
-    def calibrate() -> dict[str, ActivationStats]:
-        from nightshift.engine.models import build_model
-        from nightshift.engine.tokenizer import load_tokenizer
-        fp_model = build_model(checkpoint, dtype=torch.float32, device="cpu", quant_config=None)
-        return calibration_stats(fp_model, load_tokenizer(model, cache_dir=cache_dir))
-    return calibrate

@@ -12,9 +12,11 @@ DEFAULT_CPU_INT4_MAX_ROWS = 8
 
 METHODS = ("rtn", "awq", "gptq", "awq-gptq")
 CALIBRATED_METHODS = ("awq", "gptq", "awq-gptq")
-# Bumped whenever a method's output changes (its search, its defaults, the calibration data),
-# so stale disk-cache files are not reused. v3: asymmetric clip search + least-squares refit of
-# scale/min, GPTQ act-order with damp 0.3, 16 calibration texts + 96-token answers.
+# Part of every quantized-weight cache file's key (QuantConfig.cache_tag): the same config run
+# through changed quantizers gives different weights, and a file written before the change must
+# not be read as if it held them. Bump it whenever any method's output for the same checkpoint
+# can change: its search or rounding, its defaults (clip ratios, GPTQ damping or column order),
+# or the calibration data (texts, answer length). Runtime kernel choices do not count.
 QUANTIZER_VERSION = 3
 
 

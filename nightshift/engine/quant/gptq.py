@@ -1,6 +1,6 @@
 """GPTQ (Frantar et al. 2022): round the weight one input channel at a time and spread each
 channel's rounding error over the channels not yet rounded, weighted by the inverse Hessian of
-the layer's output error on calibration activations, ``H = 2 X^T X`` (engine/quant/calibration.py).
+the layer's output error on calibration activations, ``H = 2 X^T X`` (engine/quant/activation_stats.py).
 
 Each group's grid (scale, min) comes from the same search as ``quantize_rtn``
 (engine/quant/format.py), every value is rounded to the nearest point of its group's grid, so
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from nightshift.engine.quant.calibration import ActivationStats
+from nightshift.engine.quant.activation_stats import ActivationStats
+from nightshift.engine.quant.awq import awq_channel_scale
 from nightshift.engine.quant.format import Int4Weight, pack_int4, search_group_grid
 
 # Fraction of the mean Hessian diagonal added to it (GPTQ's percdamp). With ~1.5-3k calibration
@@ -103,8 +104,6 @@ def _gptq_act_order(w: torch.Tensor, h: torch.Tensor, group_size: int) -> Int4We
 def quantize_awq_gptq(weight: torch.Tensor, stats: ActivationStats, group_size: int) -> tuple[Int4Weight, torch.Tensor]:
     """AWQ's per-channel scaling (engine/quant/awq.py) followed by GPTQ of the scaled weight
     ``W * s`` on the correspondingly scaled inputs ``x / s``; returns (weight, input scale 1/s)."""
-    from nightshift.engine.quant.awq import awq_channel_scale
-
     s, _ = awq_channel_scale(weight, stats, group_size)
     inv = (1.0 / s).to(torch.float64)
     scaled = ActivationStats(stats.mean_abs / s, stats.sample / s, stats.xtx * inv[:, None] * inv[None, :], stats.rows)

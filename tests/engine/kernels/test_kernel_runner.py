@@ -1,7 +1,6 @@
-"""ModelRunner with the Triton attention path against its torch path, step by step on the same
-model: fresh prompts, a prefix shared by several sequences, chunked prefill after cached tokens,
-and mixed decode + prefill steps. (CPU: kernels in the interpreter, KV store in torch; CUDA: all
-Triton.)"""
+"""ModelRunner with the Triton attention backend against the torch backend, step by step on the
+same model: fresh prompts, a prefix shared by several sequences, chunked prefill after cached
+tokens, and mixed decode + prefill steps. (CPU: the kernels in Triton's interpreter; CUDA: compiled.)"""
 import pytest
 import torch
 
@@ -10,6 +9,8 @@ from kernel_cases import use_interpreter_without_cuda
 DEVICE = use_interpreter_without_cuda()
 
 from bench.dummy_weights import build_dummy_model  # noqa: E402
+from nightshift.engine.attention import TorchAttention  # noqa: E402
+from nightshift.engine.attention.triton_backend import TritonAttention  # noqa: E402
 from nightshift.engine.model_runner import ModelRunner, StepItem  # noqa: E402
 
 
@@ -24,15 +25,16 @@ def test_backend_choice_is_validated():
     model = build_dummy_model("llama-tiny", device="meta", max_position_embeddings=64)
     with pytest.raises(ValueError, match="attention_backend must be 'auto', 'torch' or 'triton', got 'cuda'"):
         ModelRunner(model, num_kv_blocks=2, attention_backend="cuda")
-    assert ModelRunner(model, num_kv_blocks=2).attention_backend == "torch"    # auto on a non-CUDA device
+    assert type(ModelRunner(model, num_kv_blocks=2).attention) is TorchAttention    # auto on a non-CUDA device
+    assert isinstance(ModelRunner(model, num_kv_blocks=2, attention_backend="triton").attention, TritonAttention)
 
 
 def test_kernel_path_gives_the_torch_path_logits(runners, monkeypatch):
-    import nightshift.engine.kernels.paged as paged
     torch_runner, kernel_runner = runners
+    assert isinstance(kernel_runner.attention, TritonAttention)
     calls = []
-    kernel_attention = paged.paged_kernel_attention
-    monkeypatch.setattr(paged, "paged_kernel_attention", lambda *a: calls.append(a[3]) or kernel_attention(*a))
+    kernel_forward = TritonAttention.forward
+    monkeypatch.setattr(TritonAttention, "forward", lambda self, *a: calls.append(a[5]) or kernel_forward(self, *a))
     g = torch.Generator().manual_seed(0)
 
     def tokens(n):

@@ -6,9 +6,9 @@ from torch import nn
 
 from nightshift.engine.layers.linear import DenseLinear
 from nightshift.engine.quant.awq import quantize_awq
-from nightshift.engine.quant.calibration import ActivationStats, collect_activation_stats
+from nightshift.engine.quant.activation_stats import ActivationStats, collect_activation_stats
 from nightshift.engine.quant.format import quantize_rtn
-from nightshift.engine.quant.linear import Int4Linear
+from nightshift.engine.quant.int4_linear import Int4Linear
 
 
 def _uneven_activations(rows=256, k=256):
@@ -60,11 +60,11 @@ def test_collect_activation_stats_hooks_dense_layers():
     model(x)  # hooks are removed afterwards
 
 
-def test_build_int4_linear_awq_calibrates_once_and_caches(tmp_path):
+def test_int4_factory_awq_calibrates_once_and_caches(tmp_path):
     from nightshift.engine.layers.linear import WeightSource
-    from nightshift.engine.quant.cache import quantized_checkpoint_cache
+    from nightshift.engine.quant.cache import QuantizedCheckpointCache, cache_file
     from nightshift.engine.quant.config import QuantConfig
-    from nightshift.engine.quant.linear import build_int4_linear
+    from nightshift.engine.quant.linear_factory import Int4LinearFactory
 
     x = _uneven_activations(rows=64, k=128)
     w = torch.randn(32, 128) * 0.05
@@ -78,17 +78,18 @@ def test_build_int4_linear_awq_calibrates_once_and_caches(tmp_path):
         calls.append(1)
         return {name: ActivationStats(x.abs().mean(0), x)}
 
-    with quantized_checkpoint_cache(tmp_path, "a" * 64, config, calibrate=calibrate):
-        first = build_int4_linear(source, config)
+    path = cache_file(tmp_path, "a" * 64, config)
+    cache = QuantizedCheckpointCache(path)
+    first = Int4LinearFactory(config, cache, calibrate)(source)
+    cache.save_if_changed()
     assert calls == [1] and first.input_scale is not None
-    with quantized_checkpoint_cache(tmp_path, "a" * 64, config, calibrate=calibrate):
-        second = build_int4_linear(source, config)
+    second = Int4LinearFactory(config, QuantizedCheckpointCache(path), calibrate)(source)
     assert calls == [1]  # a cache hit needs no calibration
     assert torch.equal(first.input_scale, second.input_scale)
     assert torch.equal(first(x), second(x))
-    rtn = build_int4_linear(source, QuantConfig(group_size=64))
+    rtn = Int4LinearFactory(QuantConfig(group_size=64))(source)
     reference = x @ w.t()
     assert (first(x) - reference).pow(2).mean() < (rtn(x) - reference).pow(2).mean()
     import pytest
     with pytest.raises(ValueError, match="needs calibration activations"):
-        build_int4_linear(source, config)  # no loader, no calibration
+        Int4LinearFactory(config)(source)  # no loader, no calibration

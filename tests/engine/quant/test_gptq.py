@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from nightshift.engine.layers.linear import WeightSource
-from nightshift.engine.quant.cache import quantized_checkpoint_cache
-from nightshift.engine.quant.calibration import ActivationStats
+from nightshift.engine.quant.activation_stats import ActivationStats
+from nightshift.engine.quant.cache import QuantizedCheckpointCache, cache_file
 from nightshift.engine.quant.config import QuantConfig
 from nightshift.engine.quant.format import quantize_rtn, search_group_grid
 from nightshift.engine.quant.gptq import quantize_awq_gptq, quantize_gptq
-from nightshift.engine.quant.linear import build_int4_linear
+from nightshift.engine.quant.linear_factory import Int4LinearFactory
 
 
 def _correlated_activations(rows, k=256, seed=0):
@@ -100,18 +100,19 @@ def test_gptq_method_through_config_and_cache(tmp_path, method):
         calls.append(1)
         return {name: _stats(x)}
 
-    with quantized_checkpoint_cache(tmp_path, "b" * 64, config, calibrate=calibrate):
-        first = build_int4_linear(source, config)
-    with quantized_checkpoint_cache(tmp_path, "b" * 64, config, calibrate=calibrate):
-        second = build_int4_linear(source, config)
+    path = cache_file(tmp_path, "b" * 64, config)
+    cache = QuantizedCheckpointCache(path)
+    first = Int4LinearFactory(config, cache, calibrate)(source)
+    cache.save_if_changed()
+    second = Int4LinearFactory(config, QuantizedCheckpointCache(path), calibrate)(source)
     assert calls == [1]
     assert torch.equal(first.qweight, second.qweight)
     assert (first.input_scale is not None) == (method == "awq-gptq")
-    rtn = build_int4_linear(source, QuantConfig(group_size=64))
+    rtn = Int4LinearFactory(QuantConfig(group_size=64))(source)
     first.cpu_int4_max_rows = rtn.cpu_int4_max_rows = 0
     reference = x @ w.t()
     assert (first(x) - reference).pow(2).mean() < (rtn(x) - reference).pow(2).mean()
     with pytest.raises(ValueError, match="needs calibration activations"):
-        build_int4_linear(source, config)
+        Int4LinearFactory(config)(source)
     with pytest.raises(ValueError, match="unknown quantization method"):
         QuantConfig(method="hqq")

@@ -5,11 +5,13 @@ import torch.nn.functional as F
 
 from nightshift.engine.layers import cpu_gemm
 from nightshift.engine.layers.linear import GGUFBlocks, WeightSource
-from nightshift.engine.quant.cache import quantized_checkpoint_cache
+from nightshift.engine.layers.linear import DenseLinear
+from nightshift.engine.quant.cache import QuantizedCheckpointCache, cache_file
 from nightshift.engine.quant.config import QuantConfig, resolve_quant_config
 from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from nightshift.engine.quant.format import quantize_rtn
-from nightshift.engine.quant.linear import Int4Linear, build_int4_linear
+from nightshift.engine.quant.int4_linear import Int4Linear
+from nightshift.engine.quant.linear_factory import Int4LinearFactory
 
 
 @pytest.fixture
@@ -32,6 +34,7 @@ def test_int4_linear_both_paths(weight, rows):
     bias = torch.randn(192)
     layer = Int4Linear(weight, bias, cpu_int4_max_rows=8)
     x = torch.randn(rows, 384)
+    assert layer.kernel_for(x) == ("tinygemm" if rows <= 8 else "dense")
     ref = F.linear(x, weight.dequantize(), bias)
     out = layer(x)
     assert out.shape == (rows, 192) and out.dtype == torch.float32
@@ -58,43 +61,51 @@ def _source(tensors, gguf=None, name="model.layers.0.mlp.gate_up_proj", parts=("
                         gguf=lambda n: (gguf or {}).get(n), dtype=torch.float32, device=torch.device("cpu"))
 
 
-def test_build_int4_linear_rtn_from_dense_and_gguf_import():
+def test_int4_factory_rtn_from_dense_and_gguf_import():
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
     torch.manual_seed(0)
     a, b = torch.randn(64, 128), torch.randn(32, 128)
-    layer = build_int4_linear(_source({"a.weight": a, "b.weight": b}), QuantConfig(group_size=128))
+    layer = Int4LinearFactory(QuantConfig(group_size=128))(_source({"a.weight": a, "b.weight": b}))
     assert layer.group_size == 128 and layer.out_features == 96
     assert torch.equal(layer.int4_weight.dequantize(), quantize_rtn(torch.cat([a, b]), 128).dequantize())
 
     raws = {n: quantize(t.numpy(), GGMLQuantizationType.Q4_1) for n, t in (("a", a), ("b", b))}
     blocks = {f"{n}.weight": GGUFBlocks(r, int(GGMLQuantizationType.Q4_1), t.shape[0], 128)
               for (n, r), t in zip(raws.items(), (a, b))}
-    layer = build_int4_linear(_source({"a.weight": a, "b.weight": b}, blocks), QuantConfig())
+    layer = Int4LinearFactory(QuantConfig())(_source({"a.weight": a, "b.weight": b}, blocks))
     expected = torch.cat([torch.from_numpy(dequantize(r, GGMLQuantizationType.Q4_1)) for r in raws.values()])
     assert layer.group_size == 32 and torch.equal(layer.int4_weight.dequantize(), expected)
     # asked not to import the blocks: re-quantized with RTN at the configured group
-    layer = build_int4_linear(_source({"a.weight": a, "b.weight": b}, blocks),
-                              QuantConfig(group_size=64, import_gguf_blocks=False))
+    layer = Int4LinearFactory(QuantConfig(group_size=64, import_gguf_blocks=False))(
+        _source({"a.weight": a, "b.weight": b}, blocks))
     assert layer.group_size == 64
+
+
+def test_int4_factory_keeps_full_precision_layers_dense():
+    factory = Int4LinearFactory(QuantConfig())
+    head = factory(_source({"lm_head.weight": torch.randn(8, 32)}, name="lm_head", parts=("lm_head",)))
+    assert isinstance(head, DenseLinear) and factory.is_dense("lm_head")
+    assert not factory.is_dense("model.layers.0.mlp.down_proj")
 
 
 def test_quantized_checkpoint_cache_round_trip(tmp_path):
     torch.manual_seed(0)
     src = _source({"a.weight": torch.randn(64, 128), "b.weight": torch.randn(32, 128)})
     config = QuantConfig(group_size=32)
-    with quantized_checkpoint_cache(tmp_path, "f" * 64, config) as cache:
-        first = build_int4_linear(src, config)
-        assert cache.misses == 1 and cache.hits == 0
+    cache = QuantizedCheckpointCache(cache_file(tmp_path, "f" * 64, config))
+    first = Int4LinearFactory(config, cache)(src)
+    assert cache.misses == 1 and cache.hits == 0
+    cache.save_if_changed()
     files = list((tmp_path / "int4").glob("*.safetensors"))
     assert len(files) == 1
     empty = _source({})  # a cache hit never touches the checkpoint
-    with quantized_checkpoint_cache(tmp_path, "f" * 64, config) as cache:
-        second = build_int4_linear(empty, config)
-        assert cache.hits == 1 and cache.misses == 0
+    cache = QuantizedCheckpointCache(cache_file(tmp_path, "f" * 64, config))
+    second = Int4LinearFactory(config, cache)(empty)
+    assert cache.hits == 1 and cache.misses == 0
     assert torch.equal(first.qweight, second.qweight) and torch.equal(first.scales, second.scales)
-    with quantized_checkpoint_cache(tmp_path, "f" * 64, QuantConfig(group_size=64)) as cache:
-        assert cache.get(src.name) is None  # another config is another file
+    other = QuantizedCheckpointCache(cache_file(tmp_path, "f" * 64, QuantConfig(group_size=64)))
+    assert other.get(src.name) is None  # another config is another file
 
 
 def test_quant_config_layers_and_resolution():

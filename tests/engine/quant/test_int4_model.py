@@ -4,11 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nightshift.engine.loader import cache_root, load_model, resolve_model, source_fingerprint
+from nightshift.engine.loader import load_model
+from nightshift.engine.model_files import cache_root, resolve_model, source_fingerprint
 from nightshift.engine.model_runner import ModelRunner, StepItem
 from nightshift.engine.quant import cache as quant_cache
 from nightshift.engine.quant.config import QuantConfig
-from nightshift.engine.quant.linear import Int4Linear
+from nightshift.engine.quant.int4_linear import Int4Linear
 
 pytestmark = pytest.mark.slow
 

@@ -62,7 +62,7 @@ def test_triton_int4_gemm_on_the_gpu_when_present(monkeypatch):
         assert _run("cuda", interpret=False).count("ok") == 13
     else:
         from nightshift.engine.quant.format import quantize_rtn
-        from nightshift.engine.quant.linear import Int4Linear
+        from nightshift.engine.quant.int4_linear import Int4Linear
         monkeypatch.setitem(sys.modules, "nightshift.engine.quant.triton_int4", None)  # importing it would fail
         layer = Int4Linear(quantize_rtn(torch.randn(32, 64), 32))
         assert layer(torch.randn(2, 64)).shape == (2, 32)

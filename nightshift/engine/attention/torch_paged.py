@@ -1,12 +1,9 @@
-"""Paged attention in plain torch: the KV-store step and attention over a sequence's blocks.
+"""Paged attention in plain torch: the row layout of a step, and attention over K/V gathered from
+the pool (engine/kv_cache.py for the pool's layout).
 
-KV pool per layer: k_cache, v_cache `[num_blocks, block_size, kv_heads, head_dim]`; token at
-position p of a sequence lives in slot `block_table[p // block_size] * block_size + p % block_size`
-of the flattened pool. Attention only ever reads a sequence's valid positions (gathered by slot
-index) and never repeats K/V per query head: the query heads that share a KV head are folded
-into the query dimension instead. On CPU in float32, decode rows go through the C kernel of
-engine/cpu_attention.py when it is built (it reads the blocks in place). The Triton kernels of engine/kernels/ take over on CUDA: store_kv by
-device, attention when the runner sets `meta.paged` (ModelRunner attention_backend="triton").
+Attention only ever reads a sequence's valid positions (gathered by slot index) and never repeats
+K/V per query head: the query heads that share a KV head are folded into the query dimension
+instead.
 
 Decode batches whose sequences share leading KV blocks (a common system prompt, via the prefix
 cache) use cascade attention: the shared prefix is read once for all queries, each sequence's own
@@ -15,14 +12,11 @@ suffix separately, and the two partial results are merged by their log-sum-exps.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-if TYPE_CHECKING:
-    from nightshift.engine.kernels.paged import PagedKernelMetadata
 
 
 @dataclass
@@ -56,31 +50,9 @@ class DecodeBatch:
     prefix_slots: Optional[torch.Tensor] = None    # [P], P < every sequence's length
 
 
-@dataclass
-class KernelDecodeRows:
-    """Decode rows [0, num_rows) of the flat batch for the CPU kernel (engine/cpu_attention.py)."""
-    num_rows: int
-    block_tables: torch.Tensor              # [num_rows, width] int32, zero-padded
-    context_lens: torch.Tensor              # [num_rows] int32, the new token included
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor              # [T] where each new token's K/V is written
-    # set when decode rows go through the CPU kernel; `decode` is then empty
-    kernel_decode: Optional[KernelDecodeRows] = None
-    decode: list[DecodeBatch] = field(default_factory=list)     # rows first in the batch, in order
-    prefills: list[PrefillSpan] = field(default_factory=list)   # then these, in row order
-    # set when this step runs on the Triton kernels (engine/kernels/paged.py); decode/prefills unused then
-    paged: Optional["PagedKernelMetadata"] = None
-
-
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def index_copy_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
     """Write new K/V `[T, kv_heads, head_dim]` into the pool at `slot_mapping` `[T]`."""
-    if k_cache.is_cuda:  # the Triton kernel (engine/kernels/store_kv.py)
-        from nightshift.engine.kernels.store_kv import store_kv as triton_store_kv
-        return triton_store_kv(k_cache, v_cache, k, v, slot_mapping)
     kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -184,18 +156,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     return _ungrouped(out, n, heads).squeeze(0)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention for a whole flat batch `q [T, H, D]` (new k/v `[T, kv_heads, D]` already stored)."""
-    if meta.paged is not None:  # the Triton kernels over block tables (engine/kernels/paged.py)
-        from nightshift.engine.kernels.paged import paged_kernel_attention
-        return paged_kernel_attention(q, k_cache, v_cache, meta.paged, scale)
-    outputs = [decode_attention(q[b.row_start:b.row_end], k_cache, v_cache, b, scale) for b in meta.decode]
-    rows = meta.kernel_decode
-    if rows is not None and rows.num_rows:
-        from nightshift.engine import cpu_attention
-        outputs.append(cpu_attention.paged_attention(q[:rows.num_rows], k_cache, v_cache, rows.block_tables,
-                                                     rows.context_lens, scale))
-    outputs += [prefill_attention(q[s.row_start:s.row_end], k[s.row_start:s.row_end], v[s.row_start:s.row_end],
-                                  k_cache, v_cache, s, scale) for s in meta.prefills]
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+def prefill_spans_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, spans: list[PrefillSpan], scale: float) -> list[torch.Tensor]:
+    """`prefill_attention` of every span (rows of the flat batch), in span order."""
+    return [prefill_attention(q[s.row_start:s.row_end], k[s.row_start:s.row_end], v[s.row_start:s.row_end],
+                              k_cache, v_cache, s, scale) for s in spans]

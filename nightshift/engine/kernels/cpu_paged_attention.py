@@ -1,20 +1,20 @@
 """Paged attention on CPU as a small C kernel: reads K/V straight from the pool's blocks.
 
-The torch path (engine/attention.py) has to gather every sequence's K/V out of the pool
-(index_select) before attending; on the benchmark workload that copy plus the attention calls
+The torch path (engine/attention/torch_paged.py) has to gather every sequence's K/V out of the
+pool (index_select) before attending; on the benchmark workload that copy plus the attention calls
 were ~40% of a float32 decode step. This kernel walks each query row's block table instead:
 one pass over the row's positions computes the scores of the query heads of one KV head, a
 second accumulates V with the softmax weights. Rows are independent (OpenMP over rows x KV
 heads); a query row attends to positions 0..lens-1 of its sequence (its own K/V are stored
-before the call). The runner sends decode rows only: a prefill chunk's rows would each re-read
-the whole context, where SDPA over the gathered context reads it once for all of them.
+before the call). CpuKernelAttention (engine/attention/cpu_kernel_backend.py) sends it decode
+rows only.
 
 Built on first use per (query heads per KV head, head dim) with the system C compiler
 (`cc -O3 -march=native -fopenmp`, the two as constants so the inner loops unroll), cached on
 disk by source hash under ~/.cache/nightshift/cpu_kernels (or $NIGHTSHIFT_KERNEL_CACHE), and
 called through ctypes (no torch headers, no ninja). Where there is no compiler or the build
-fails, `load()` returns None once and the runner keeps the torch path: nothing requires it.
-Float32 only (the CPU dtype where it matters); NIGHTSHIFT_CPU_ATTENTION=0 turns it off.
+fails, `load()` returns None once and the backend selection keeps the torch path: nothing
+requires it. Float32 only (the CPU dtype where it matters); NIGHTSHIFT_CPU_ATTENTION=0 turns it off.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``Int4Linear``: a linear layer whose weight is stored in our INT4 format.
 
-What runs (engine/quant/README.md has the measurements):
+What runs, chosen per call by ``Int4Linear.kernel_for`` (engine/quant/README.md has the measurements):
 * CUDA: the Triton dequant-GEMM (engine/quant/triton_int4.py) on the packed weight.
 * CPU, steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU kernel (tinygemm), with
   bfloat16 activations (its float32 mode is ~6x slower here; the result is cast back).
@@ -14,17 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gguf import GGMLQuantizationType
-
 from nightshift.engine.cpu_features import cpu_has_native_bf16
 from nightshift.engine.layers import cpu_gemm
-from nightshift.engine.quant.awq import quantize_awq
-from nightshift.engine.quant.cache import active_cache
-from nightshift.engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS, QuantConfig
+from nightshift.engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS
 from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
-from nightshift.engine.quant.format import Int4Weight, fitting_group_size, quantize_rtn
-from nightshift.engine.quant.gptq import quantize_awq_gptq, quantize_gptq
-from nightshift.engine.quant.gguf_import import DIRECT_IMPORT_TYPES, int4_from_gguf_blocks
+from nightshift.engine.quant.format import Int4Weight
 
 
 def dense_compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -82,21 +76,28 @@ class Int4Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"group_size={self.group_size}, bias={self.bias is not None}")
 
+    def kernel_for(self, x2d: torch.Tensor) -> str:
+        """The matmul this call runs, by device and step rows (the module docstring says why):
+        "triton" on CUDA, "tinygemm" for CPU steps of at most cpu_int4_max_rows rows, else "dense"."""
+        if x2d.is_cuda:
+            return "triton"
+        return "tinygemm" if x2d.shape[0] <= self.cpu_int4_max_rows else "dense"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2d = x.reshape(-1, self.in_features)
         if self.input_scale is not None:
             x2d = x2d * self.input_scale.to(x2d.dtype)
-        if x.is_cuda:
-            from nightshift.engine.quant.triton_int4 import int4_matmul
-            y = int4_matmul(x2d, self.qweight, self.scales, self.mins, self.group_size)
-        elif x2d.shape[0] <= self.cpu_int4_max_rows:
-            y = self._tinygemm(x2d.to(torch.bfloat16)).to(x.dtype)
-        else:
+        kernel = self.kernel_for(x2d)
+        if kernel == "dense":   # the bias goes into the matmul, in its compute dtype
             dtype = dense_compute_dtype(x.dtype)
             bias = None if self.bias is None else self.bias.to(dtype)
-            y = self._dense_linear(x2d.to(dtype), bias).to(x.dtype)
-            return y.reshape(*lead, self.out_features)
+            return self._dense_linear(x2d.to(dtype), bias).to(x.dtype).reshape(*lead, self.out_features)
+        if kernel == "triton":
+            from nightshift.engine.quant.triton_int4 import int4_matmul   # imports triton: CUDA only
+            y = int4_matmul(x2d, self.qweight, self.scales, self.mins, self.group_size)
+        else:
+            y = self._tinygemm(x2d.to(torch.bfloat16)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
@@ -121,54 +122,3 @@ class Int4Linear(nn.Module):
                 w = w if packed is None else packed
                 self._dense[key] = w
         return cpu_gemm.linear(x2d, w, bias)
-
-
-def int4_weight_for(source, config: QuantConfig, activation_stats=None):
-    """(INT4 weight, AWQ input scale or None) of a (possibly fused) projection: GGUF Q4_0/Q4_1
-    blocks imported as they are, anything else quantized from its float32 values (RTN, AWQ,
-    GPTQ or both)."""
-    blocks = source.gguf_blocks() if config.import_gguf_blocks else None
-    if blocks is not None and all(GGMLQuantizationType(b.qtype) in DIRECT_IMPORT_TYPES for b in blocks):
-        parts = [int4_from_gguf_blocks(b.raw, GGMLQuantizationType(b.qtype), b.out_features,
-                                       b.in_features, name=part)
-                 for b, part in zip(blocks, source.parts)]
-        return Int4Weight.cat_rows(parts), None
-    dense = torch.cat([source.tensor(f"{part}.weight").to(torch.float32) for part in source.parts])
-    group = fitting_group_size(dense.shape[1], config.group_size)
-    if config.needs_calibration:
-        if activation_stats is None or source.name not in activation_stats:
-            raise ValueError(f"{source.name}: method={config.method!r} but no calibration activations "
-                             f"for this layer")
-        if config.method == "gptq":
-            return quantize_gptq(dense, activation_stats[source.name], group), None
-        if config.method == "awq-gptq":
-            return quantize_awq_gptq(dense, activation_stats[source.name], group)
-        weight, input_scale, _ = quantize_awq(dense, activation_stats[source.name], group)
-        return weight, input_scale
-    return quantize_rtn(dense, group), None
-
-
-def build_int4_linear(source, config: QuantConfig) -> Int4Linear:
-    """The seam engine/layers/linear.py calls for every layer `config.quantizes()`."""
-    cache = active_cache()
-    cached = cache.get(source.name) if cache is not None else None
-    if cached is not None:
-        weight, input_scale = cached
-    else:
-        stats = None
-        if config.needs_calibration:
-            if cache is None:
-                raise ValueError(f"method={config.method!r} needs calibration activations: load the model "
-                                 "through nightshift.engine.loader.load_model")
-            stats = cache.activation_stats()
-        weight, input_scale = int4_weight_for(source, config, stats)
-        if cache is not None:
-            cache.put(source.name, weight, input_scale)
-    device = torch.device(source.device)
-    bias = source.bias()
-    layer = Int4Linear(weight.to(device), None if bias is None else bias.to(device),
-                       cpu_int4_max_rows=config.cpu_int4_max_rows,
-                       cache_dense_weight=config.cache_dense_weight)
-    if input_scale is not None:
-        layer.input_scale = input_scale.to(device)
-    return layer
