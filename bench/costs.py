@@ -20,8 +20,10 @@ ADMIN_URL = os.environ.get("NIGHTSHIFT_BENCH_PG_ADMIN_URL",
 
 
 def _seed(url: str, rows: int) -> str:
+    from nightshift.jobs.batches.models import Batch, Request
+    from nightshift.jobs.files.models import File
     from nightshift.jobs.ids import new_id
-    from nightshift.jobs.models import Batch, File, Project, Request
+    from nightshift.jobs.projects.models import Project
     from nightshift.storage.db import session_scope
 
     batch_id, now = new_id("batch_"), time.time()
@@ -49,8 +51,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=50_000)
     args = parser.parse_args()
 
-    from nightshift.jobs.cost_reports import costs_by_day, write_cost_files
-    from nightshift.jobs.models import Batch
+    from nightshift.jobs.batches.models import Batch
+    from nightshift.jobs.costs.batch_costs import write_cost_files
+    from nightshift.jobs.costs.daily_costs import costs_by_day
     from nightshift.settings import Settings
     from nightshift.storage.db import dispose_engines, session_scope, upgrade_head
     from nightshift.storage.localdir import LocalDirStore

@@ -1,4 +1,4 @@
-"""Pipeline benchmark (issue 5).
+"""Pipeline benchmark: how fast ingest is, and what the service adds on top of the engine.
 
   python -m bench.pipeline ingest   [--lines 50000] [--database-url URL]
       validation + tokenization + planning + bulk insert of one N-line file; prints lines/s.
@@ -91,9 +91,10 @@ def _configure(env: dict[str, str]) -> None:
 
 
 def _new_batch(db_url: str, store, lines: list[dict]) -> str:  # noqa: ANN001
+    from nightshift.jobs.batches.models import Batch
+    from nightshift.jobs.files.models import File
     from nightshift.jobs.ids import new_id
-    from nightshift.jobs.models import Batch, File, Project
-
+    from nightshift.jobs.projects.models import Project
     from nightshift.storage.db import session_scope
 
     data = b"".join(orjson.dumps(x) + b"\n" for x in lines)
@@ -115,10 +116,10 @@ def _new_batch(db_url: str, store, lines: list[dict]) -> str:  # noqa: ANN001
 
 def bench_ingest(args: argparse.Namespace) -> None:
     from nightshift.engine import load_tokenizer
-    from nightshift.jobs.ingest import ingest_batch
     from nightshift.settings import get_settings
     from nightshift.storage.db import upgrade_head
     from nightshift.storage.objectstore import get_object_store
+    from nightshift.workers.ingest import ingest_batch
 
     work = Path(tempfile.mkdtemp(prefix="nightshift-bench-"))
     try:
@@ -132,7 +133,7 @@ def bench_ingest(args: argparse.Namespace) -> None:
             bid = _new_batch(db_url, store, lines)
             size = store.size(f"files/{_file_of(db_url, bid)}")
             t0 = time.perf_counter()
-            outcome = ingest_batch(bid, tokenizer, store=store, db_url=db_url)
+            outcome = ingest_batch(bid, tokenizer, settings=get_settings(), store=store)
             elapsed = time.perf_counter() - t0
             assert outcome.status == "in_progress", outcome
             parts = ", ".join(f"{k} {v:.2f}s" for k, v in outcome.seconds.items() if k != "total")
@@ -143,7 +144,7 @@ def bench_ingest(args: argparse.Namespace) -> None:
 
 
 def _file_of(db_url: str, bid: str) -> str:
-    from nightshift.jobs.models import Batch
+    from nightshift.jobs.batches.models import Batch
     from nightshift.storage.db import session_scope
 
     with session_scope(db_url) as s:
@@ -154,7 +155,7 @@ def _file_of(db_url: str, bid: str) -> str:
 
 def engine_only_seconds(lines: list[dict]) -> tuple[float, int]:
     from nightshift.engine import GenerationRequest, SamplingParams
-    from nightshift.jobs.openai_mapping import sampling_kwargs
+    from nightshift.jobs.batches.openai_mapping import sampling_kwargs
     from nightshift.settings import get_settings
     from nightshift.workers.engine_host import get_engine
 
@@ -174,7 +175,7 @@ def engine_only_seconds(lines: list[dict]) -> tuple[float, int]:
 
 
 def _wait_done(db_url: str, bid: str, timeout: float) -> str:
-    from nightshift.jobs.models import Batch
+    from nightshift.jobs.batches.models import Batch
     from nightshift.storage.db import session_scope
 
     deadline = time.monotonic() + timeout
@@ -188,13 +189,13 @@ def _wait_done(db_url: str, bid: str, timeout: float) -> str:
 
 
 def pipeline_seconds(env: dict[str, str], lines: list[dict], timeout: float, log_dir: Path) -> dict:
-    from nightshift.jobs.models import Batch, Shard
+    from nightshift.jobs.batches.models import Batch, Shard
     from nightshift.settings import get_settings
     from sqlalchemy import func, select
     from nightshift.storage.db import session_scope, upgrade_head
     from nightshift.storage.objectstore import get_object_store
-    from nightshift.workers.procs import service_env, start_worker, stop
     from nightshift.workers.celery_app import TASK_INGEST, make_celery
+    from nightshift.workers.procs import service_env, start_worker, stop
 
     _configure(env)
     settings = get_settings()

@@ -38,10 +38,12 @@ class Settings(BaseSettings):
     # --- model / engine ---------------------------------------------------------------
     model: str = "default"                       # engine.resolve_model() argument
     served_model_name: str = "SmolLM2-135M-Instruct"  # name in responses; also accepted as body.model
-    quantization: Literal["none", "int4"] = "int4"      # the engine's default; GGUF Q4 blocks import exactly
-    device: str = "auto"
-    engine_max_num_seqs: int = 256               # the engine default: measured fastest per token on CPU
-    engine_max_num_batched_tokens: int = 2048
+    # Engine knobs: None (unset) takes the engine's own default (Engine.from_pretrained), so each
+    # default is written once, in the engine; only values set here are passed on.
+    quantization: Optional[Literal["none", "int4"]] = None
+    device: Optional[str] = None                 # "auto", "cpu", "cuda", "cuda:1"
+    engine_max_num_seqs: Optional[int] = None
+    engine_max_num_batched_tokens: Optional[int] = None
     engine_num_kv_blocks: Optional[int] = None
     default_chat_max_tokens: int = 256           # chat body without max_tokens (clamped to the context)
     default_completion_max_tokens: int = 16      # OpenAI's default for /v1/completions
@@ -82,7 +84,7 @@ class Settings(BaseSettings):
     bootstrap_key: Optional[str] = None          # made a valid key of bootstrap_project at start-up
     bootstrap_project: str = "default"
 
-    # --- cost accounting and schedules (issue 6) ------------------------------------
+    # --- cost accounting and schedules -----------------------------------------------
     # Instance price per hour per device kind ("cpu", "cuda", or an exact device name such as
     # "cuda:0"; "default" catches the rest). Env: NIGHTSHIFT_INSTANCE_USD_PER_HOUR='{"cuda": 2.5}'
     instance_usd_per_hour: dict[str, float] = Field(default_factory=lambda: {"cpu": 0.10, "cuda": 2.50})

@@ -11,7 +11,7 @@ from nightshift.api.database import RequestDatabase
 from nightshift.api.deps import DatabaseDep
 from nightshift.api.errors import error_response, install_error_handlers
 from nightshift.api.routes import batches, costs, files, schedules
-from nightshift.jobs.keys import ensure_key
+from nightshift.jobs.projects.api_keys import ensure_key
 from nightshift.settings import get_settings
 from nightshift.storage.db import session_scope
 

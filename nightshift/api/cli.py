@@ -36,7 +36,7 @@ def _cmd_migrate(_: argparse.Namespace) -> int:
 
 
 def _cmd_keys_create(args: argparse.Namespace) -> int:
-    from nightshift.jobs.keys import create_key
+    from nightshift.jobs.projects.api_keys import create_key
     from nightshift.settings import get_settings
     from nightshift.storage.db import session_scope, upgrade_head
 
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_client_options(p)
     p.set_defaults(func=_cmd_results)
 
-    add_cost_command(sub, _add_client_options)   # nightshift cost BATCH_ID (issue 6)
+    add_cost_command(sub, _add_client_options)   # nightshift cost BATCH_ID
     return parser
 
 

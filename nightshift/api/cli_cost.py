@@ -1,4 +1,4 @@
-"""`nightshift cost BATCH_ID`: a batch's cost report in the terminal (issue 6).
+"""`nightshift cost BATCH_ID`: a batch's cost report in the terminal.
 
   nightshift cost BATCH_ID              key figures and the per-device split, as a table
   nightshift cost BATCH_ID --json       the cost.json document
@@ -20,42 +20,22 @@ class CostClient(BatchClient):
         return self._call("GET", f"/batches/{batch_id}/cost").json()
 
 
-def _money(value) -> str:  # noqa: ANN001
-    if value is None:
-        return "-"
-    return f"${value:,.6f}" if abs(value) < 0.01 else f"${value:,.4f}"
-
-
 def render_table(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    tokens, cost, savings, requests = report["tokens"], report["cost"], report["savings"], report["requests"]
-    hit = tokens["prefix_cache_hit_rate"]
+    from nightshift.jobs.costs.formatting import DEVICE_COLUMNS, device_rows, key_figures
+
     table = Table(title=f"cost of {report['batch_id']} ({report['status']})", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
-    for name, value in [
-        ("requests", f"{requests['total']:,} ({requests['completed']:,} completed, {requests['failed']:,} failed)"),
-        ("prompt tokens", f"{tokens['prompt_tokens']:,}"),
-        ("  from prefix cache", f"{tokens['cached_prompt_tokens']:,}" + (f" ({hit:.1%})" if hit is not None else "")),
-        ("completion tokens", f"{tokens['completion_tokens']:,}"),
-        ("engine seconds", f"{report['engine_seconds']:,.3f}"),
-        ("cost", _money(cost["usd"])),
-        ("$ / 1M input tokens", _money(cost["usd_per_1m_input_tokens"])),
-        ("$ / 1M output tokens", _money(cost["usd_per_1m_output_tokens"])),
-        ("cache savings (list price)", _money(savings["cache_usd"])),
-        ("online list price", _money(savings["online_list_usd"])),
-        ("savings vs online", _money(savings["vs_online_list_usd"])
-         + (f" ({savings['vs_online_list_pct']:.1f}%)" if savings["vs_online_list_pct"] is not None else "")),
-    ]:
+    for name, value in key_figures(report):
         table.add_row(name, value)
     devices = Table(title="by device")
-    for column in ("device", "requests", "engine s", "$/hour", "cost"):
-        devices.add_column(column, justify="left" if column == "device" else "right")
-    for d in report["by_device"]:
-        devices.add_row(d["device"], f"{d['requests']:,}", f"{d['engine_seconds']:,.3f}",
-                        _money(d["usd_per_hour"]), _money(d["usd"]))
+    for column in DEVICE_COLUMNS:
+        devices.add_column(column, justify="left" if column == DEVICE_COLUMNS[0] else "right")
+    for row in device_rows(report):
+        devices.add_row(*row)
     console = Console()
     console.print(table)
     if report["by_device"]:
@@ -79,7 +59,7 @@ def _cmd_cost(args: argparse.Namespace) -> int:
     else:
         render_table(report)
     if args.html:
-        from nightshift.jobs.cost_page import render_cost_page
+        from nightshift.jobs.costs.html_page import render_cost_page
 
         with open(args.html, "w", encoding="utf-8") as f:
             f.write(render_cost_page(report))

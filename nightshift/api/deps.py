@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from nightshift.api.database import RequestDatabase
 from nightshift.api.errors import APIError
-from nightshift.jobs.keys import project_for_key
+from nightshift.jobs.projects.api_keys import project_for_key
 from nightshift.settings import Settings, get_settings
 from nightshift.storage.objectstore import ObjectStore, get_object_store
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from nightshift.jobs.keys import generate_key
+from nightshift.jobs.projects.api_keys import generate_key
 from nightshift.settings import Settings, get_settings
 from nightshift.workers import procs
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import pool
 
-import nightshift.jobs.schedule_models  # noqa: F401  (registers the schedules tables on Base.metadata)
-from nightshift.jobs.models import Base
+from nightshift.jobs.tables import metadata
 from nightshift.storage.db import make_engine
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = metadata
 
 
 def _url() -> str:

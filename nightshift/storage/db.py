@@ -74,7 +74,9 @@ def get_sessionmaker(url: Optional[str] = None) -> sessionmaker[Session]:
 
 @contextmanager
 def session_scope(url: Optional[str] = None) -> Iterator[Session]:
-    """A session that commits on success and rolls back on an exception."""
+    """A session that commits on success and rolls back on an exception: one transaction. Only
+    the owners of a unit of work open one (an API request, a Celery task's step in workers/,
+    the CLI, a test); the domain functions of jobs/ take the session and never commit."""
     session = get_sessionmaker(url)()
     try:
         yield session

@@ -4,12 +4,17 @@ Postgres is the truth; messages are wake-ups (DESIGN §1). ``acks_late`` + prefe
 worker holds one shard at a time and a crash re-delivers (Redis) — and if the message is
 lost anyway (filesystem broker), the reconciler on beat re-sends from database state.
 Queues: ``cpu`` (ingest, finalize, cancel, reconcile, expire, schedules) and ``gpu``
-(run_shard). Start: ``celery -A nightshift.workers.celery_app worker -Q gpu -c 1`` on engine hosts,
-``celery -A nightshift.workers.celery_app worker -Q cpu`` and ``celery -A nightshift.workers.celery_app beat`` elsewhere.
+(run_shard). Start: ``celery -A nightshift.workers.celery_app worker -Q gpu -c 1`` on engine
+hosts, ``celery -A nightshift.workers.celery_app worker -Q cpu`` and
+``celery -A nightshift.workers.celery_app beat`` elsewhere. Importing this module has no side
+effects beyond reading the settings.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from celery import Celery
+from celery.beat import PersistentScheduler
 from kombu import Queue
 
 from nightshift.settings import Settings, get_settings
@@ -20,11 +25,22 @@ TASK_FINALIZE = "nightshift.finalize"
 TASK_CANCEL = "nightshift.cancel"
 TASK_RECONCILE = "nightshift.reconcile"
 TASK_EXPIRE = "nightshift.expire"
-TASK_SCHEDULES_TICK = "nightshift.schedules.tick"        # workers/schedule_tasks.py (issue 6)
+TASK_SCHEDULES_TICK = "nightshift.schedules.tick"        # tasks of schedules: workers/schedule_tasks.py
 TASK_SCHEDULE_START_RUN = "nightshift.schedules.start_run"
 
 
+class EmbeddedBeatScheduler(PersistentScheduler):
+    """Beat's file-backed schedule, whose folder (under a home that may be new) is made when beat
+    starts: it opens the file before it publishes anything, so before the broker makes its folders."""
+
+    def setup_schedule(self) -> None:
+        Path(self.schedule_filename).parent.mkdir(parents=True, exist_ok=True)
+        super().setup_schedule()
+
+
 def celery_config(settings: Settings) -> dict:
+    """The app's configuration; pure (the embedded broker's folders are made when a connection
+    first opens a channel: ``filesystem_broker.Channel``)."""
     config = {
         "broker_url": settings.resolved_broker_url,
         "task_acks_late": True,
@@ -47,14 +63,13 @@ def celery_config(settings: Settings) -> dict:
     }
     if settings.is_embedded_broker:
         root = settings.broker_dir
-        for sub in ("queue", "processed", "control"):
-            (root / sub).mkdir(parents=True, exist_ok=True)
         config["broker_transport_options"] = {
             "data_folder_in": str(root / "queue"), "data_folder_out": str(root / "queue"),
             "processed_folder": str(root / "processed"), "store_processed": False,
             "control_folder": str(root / "control"), "polling_interval": settings.broker_polling_interval,
         }
         config["beat_schedule_filename"] = str(root / "celerybeat-schedule")
+        config["beat_scheduler"] = "nightshift.workers.celery_app:EmbeddedBeatScheduler"
         config["broker_transport"] = "nightshift.workers.filesystem_broker:Transport"   # atomic message files
     else:
         opts = {"visibility_timeout": settings.broker_visibility_timeout}

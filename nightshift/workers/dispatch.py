@@ -1,8 +1,9 @@
 """Send wake-up messages. Call these only after the commit that makes the work visible;
-a lost message is repaired by the reconciler, a duplicate is a no-op."""
+a lost message is repaired by the reconciler (or the schedules tick), a duplicate is a no-op."""
 from __future__ import annotations
 
-from nightshift.workers.celery_app import (TASK_CANCEL, TASK_FINALIZE, TASK_INGEST, TASK_RUN_SHARD, app)
+from nightshift.workers.celery_app import (TASK_CANCEL, TASK_FINALIZE, TASK_INGEST, TASK_RUN_SHARD,
+                                           TASK_SCHEDULE_START_RUN, app)
 
 
 def enqueue_ingest(batch_id: str) -> None:
@@ -19,3 +20,7 @@ def enqueue_finalize(batch_id: str) -> None:
 
 def enqueue_cancel(batch_id: str) -> None:
     app.send_task(TASK_CANCEL, args=[batch_id], queue="cpu")
+
+
+def enqueue_start_run(run_id: str) -> None:
+    app.send_task(TASK_SCHEDULE_START_RUN, args=[run_id], queue="cpu")

@@ -13,6 +13,12 @@ from typing import Optional
 
 from nightshift.settings import Settings, get_settings
 
+# Settings field -> Engine.from_pretrained argument. A field left unset (None) is not passed,
+# so the engine's own default applies: its defaults are written in one place only.
+ENGINE_OPTIONS = {"quantization": "quantization", "device": "device", "engine_max_num_seqs": "max_num_seqs",
+                  "engine_max_num_batched_tokens": "max_num_batched_tokens",
+                  "engine_num_kv_blocks": "num_kv_blocks"}
+
 _lock = threading.Lock()
 _engine = None
 _engine_pid: Optional[int] = None
@@ -24,6 +30,12 @@ def worker_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def engine_options(settings: Settings) -> dict:
+    """The Engine.from_pretrained keyword arguments the settings set explicitly."""
+    return {arg: getattr(settings, field) for field, arg in ENGINE_OPTIONS.items()
+            if getattr(settings, field) is not None}
+
+
 def get_engine(settings: Optional[Settings] = None):  # noqa: ANN201
     global _engine, _engine_pid
     with _lock:
@@ -31,10 +43,7 @@ def get_engine(settings: Optional[Settings] = None):  # noqa: ANN201
             from nightshift.engine import Engine
 
             s = settings or get_settings()
-            _engine = Engine.from_pretrained(model=s.model, quantization=s.quantization, device=s.device,
-                                             max_num_seqs=s.engine_max_num_seqs,
-                                             max_num_batched_tokens=s.engine_max_num_batched_tokens,
-                                             num_kv_blocks=s.engine_num_kv_blocks)
+            _engine = Engine.from_pretrained(model=s.model, **engine_options(s))
             _engine_pid = os.getpid()
         return _engine
 

@@ -7,7 +7,8 @@ behind, and the worker dies on it at every start. Here a message is written unde
 temporary name (one the consumers skip) and renamed into place, so a consumer only ever sees
 whole messages; a file that still cannot be parsed is dropped with a warning instead of
 stopping the worker (messages are wake-ups: the reconciler repairs a lost one from the
-database).
+database). The folders are made when a channel opens, i.e. when a worker starts consuming or
+a producer first publishes, never when the Celery app is imported.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import logging
 import os
 import uuid
 from json import JSONDecodeError
+from pathlib import Path
 
 from kombu.transport import filesystem
 from kombu.utils.json import dumps
@@ -26,6 +28,11 @@ TMP_PREFIX = ".tmp-"          # "partition('.')" of this name never matches "<qu
 
 
 class Channel(filesystem.Channel):
+    def __init__(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        for folder in (self.data_folder_in, self.data_folder_out, self.processed_folder, self.control_folder):
+            Path(folder).mkdir(parents=True, exist_ok=True)
+
     def _put(self, queue, payload, **kwargs):  # noqa: ANN001, ANN003, ANN202
         name = "{}_{}.{}.msg".format(int(round(filesystem.monotonic() * 1000)), uuid.uuid4(), queue)
         tmp = os.path.join(self.data_folder_out, f"{TMP_PREFIX}{uuid.uuid4().hex}")

@@ -1,60 +1,78 @@
-"""Celery tasks. Each re-reads database state and does nothing when its work is already done,
-so a redelivered or duplicated message is harmless. Domain rules live in jobs/."""
+"""Celery tasks of batches. Each re-reads database state and does nothing when its work is
+already done, so a redelivered or duplicated message is harmless. A task owns the
+transactions of its work (here, or in the flow module it calls: ``ingest``,
+``shard_runner``, ``finalize``, ``batch_upkeep``) and sends wake-ups only after they commit.
+Domain rules live in jobs/."""
 from __future__ import annotations
 
 import logging
 
-from nightshift.jobs.batches import cancel_now
-from nightshift.jobs.finalize import finalize_batch
-from nightshift.jobs.ingest import ingest_batch
-from nightshift.jobs.reconcile import expire_batches, reconcile
+from nightshift.jobs.batches.lifecycle import cancel_now
+from nightshift.jobs.batches.models import BatchStatus
+from nightshift.settings import get_settings
 from nightshift.storage.db import session_scope
+from nightshift.storage.objectstore import get_object_store
 from nightshift.workers import dispatch
+from nightshift.workers.batch_upkeep import expire_due_batches, reconcile_batches
 from nightshift.workers.celery_app import (TASK_CANCEL, TASK_EXPIRE, TASK_FINALIZE, TASK_INGEST, TASK_RECONCILE,
-                                TASK_RUN_SHARD, app)
+                                           TASK_RUN_SHARD, app)
 from nightshift.workers.engine_host import engine_device, get_engine, get_tokenizer, worker_identity
+from nightshift.workers.finalize import finalize_batch
+from nightshift.workers.ingest import ingest_batch
+from nightshift.workers.schedule_runs import complete_batch_run
 
 log = logging.getLogger(__name__)
 
 
 @app.task(name=TASK_INGEST)
 def ingest(batch_id: str) -> str:
-    outcome = ingest_batch(batch_id, get_tokenizer())
-    for shard_id in outcome.shard_ids:  # published after ingest's commit
+    settings = get_settings()
+    outcome = ingest_batch(batch_id, get_tokenizer(settings), settings=settings, store=get_object_store(settings))
+    for shard_id in outcome.shard_ids:
         dispatch.enqueue_run_shard(shard_id)
-    if outcome.status == "cancelling":
+    if outcome.status == BatchStatus.CANCELLING:
         dispatch.enqueue_cancel(batch_id)
     return outcome.status
 
 
 @app.task(name=TASK_RUN_SHARD)
 def run_shard(shard_id: int) -> str:
-    from nightshift.workers.shard_runner import run_shard as run
+    from nightshift.workers.shard_runner import run_shard as run   # imports the engine: gpu workers only
 
-    engine = get_engine()
-    result = run(shard_id, engine, owner=worker_identity(), device=engine_device(engine))
+    settings = get_settings()
+    engine = get_engine(settings)
+    result = run(shard_id, engine, settings=settings, owner=worker_identity(), device=engine_device(engine))
     if result.finalize:
         dispatch.enqueue_finalize(result.lease.batch_id)
     return result.status
 
 
+def _finalize(batch_id: str) -> str:
+    """Finalize, then complete the schedule run the batch belongs to (if it ended now or in an
+    earlier attempt whose completion was lost)."""
+    settings = get_settings()
+    store = get_object_store(settings)
+    outcome = finalize_batch(batch_id, settings=settings, store=store)
+    if outcome.status in BatchStatus.TERMINAL:
+        complete_batch_run(settings, store, batch_id)
+    return outcome.status
+
+
 @app.task(name=TASK_FINALIZE)
 def finalize(batch_id: str) -> str:
-    return finalize_batch(batch_id).status
+    return _finalize(batch_id)
 
 
 @app.task(name=TASK_CANCEL)
 def cancel(batch_id: str) -> str:
-    with session_scope() as s:
+    with session_scope(get_settings().resolved_database_url) as s:
         ready = cancel_now(s, batch_id)
-    if ready:
-        return finalize_batch(batch_id).status
-    return "noop"
+    return _finalize(batch_id) if ready else "noop"
 
 
 @app.task(name=TASK_RECONCILE)
 def reconcile_tick() -> dict:
-    acts = reconcile()
+    acts = reconcile_batches(get_settings())
     for shard_id in acts.run_shards:
         dispatch.enqueue_run_shard(shard_id)
     for batch_id in acts.finalize:
@@ -70,7 +88,7 @@ def reconcile_tick() -> dict:
 
 @app.task(name=TASK_EXPIRE)
 def expire_tick() -> list[str]:
-    expired = expire_batches()
+    expired = expire_due_batches(get_settings())
     for batch_id in expired:
         dispatch.enqueue_finalize(batch_id)
     return expired

@@ -99,7 +99,7 @@ def new_bucket(endpoint: str) -> str:
 
 
 def make_key(db_url: str, project: str) -> str:
-    from nightshift.jobs.keys import create_key
+    from nightshift.jobs.projects.api_keys import create_key
     from nightshift.storage.db import session_scope
 
     with session_scope(db_url) as session:

@@ -1,13 +1,26 @@
-"""Rows for service tests, written straight through the models (no API, no engine)."""
+"""Rows for service tests, written straight through the models (no API, no engine), and
+domain calls made the way a worker makes them: each in a transaction of its own."""
 from __future__ import annotations
 
 import time
+from typing import Callable, TypeVar
 
 import orjson
 
+from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus, Shard
+from nightshift.jobs.files.models import File
 from nightshift.jobs.ids import new_id
-from nightshift.jobs.models import Batch, BatchStatus, File, Project, Request, RequestStatus, Shard
+from nightshift.jobs.projects.models import Project
 from nightshift.storage.db import session_scope
+
+T = TypeVar("T")
+
+
+def in_transaction(db_url: str, work: Callable[..., T], *args, **kwargs) -> T:  # noqa: ANN002, ANN003
+    """``work(session, *args, **kwargs)`` in one transaction, committed when it returns (rolled
+    back if it raises)."""
+    with session_scope(db_url) as s:
+        return work(s, *args, **kwargs)
 
 
 def make_project(db_url: str, name: str | None = None) -> str:

@@ -8,8 +8,8 @@ import openai
 import pytest
 from sqlalchemy import update
 
-from nightshift.jobs.keys import hash_key
-from nightshift.jobs.models import ApiKey
+from nightshift.jobs.projects.api_keys import hash_key
+from nightshift.jobs.projects.models import ApiKey
 from nightshift.storage.db import session_scope
 
 from .api_fixtures import api_service, make_key, openai_client, project_client  # noqa: F401
@@ -64,7 +64,7 @@ def test_projects_see_only_their_own_objects(api_service):  # noqa: F811
 
 
 def _project_name(service, client) -> str:  # noqa: ANN001
-    from nightshift.jobs.models import Project
+    from nightshift.jobs.projects.models import Project
 
     with session_scope(service.db_url) as s:
         project_id = s.query(ApiKey.project_id).filter(ApiKey.key_hash == hash_key(client.api_key)).scalar()

@@ -9,7 +9,7 @@ import openai
 import pytest
 from sqlalchemy import update
 
-from nightshift.jobs.models import Batch, Shard
+from nightshift.jobs.batches.models import Batch, Shard
 from nightshift.storage.db import session_scope
 
 from .api_fixtures import api_service, project_client  # noqa: F401

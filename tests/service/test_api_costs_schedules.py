@@ -10,13 +10,14 @@ import httpx
 import orjson
 import pytest
 
-from nightshift.jobs.finalize import finalize_batch
-from nightshift.jobs.keys import project_for_key
-from nightshift.jobs.models import Batch, Request
-from nightshift.jobs.schedules import fire_schedule
-from nightshift.storage.db import get_sessionmaker, session_scope
+from nightshift.jobs.batches.models import Batch, Request
+from nightshift.jobs.projects.api_keys import project_for_key
+from nightshift.jobs.schedules.firing import fire_schedule
+from nightshift.settings import Settings
+from nightshift.storage.db import session_scope
 from nightshift.storage.s3 import S3Store
-from tests.service.factories import make_running_batch
+from nightshift.workers.finalize import finalize_batch
+from tests.service.factories import in_transaction, make_running_batch
 
 from .api_fixtures import api_service, make_key  # noqa: F401
 
@@ -63,7 +64,7 @@ def test_schedule_crud_pause_resume_runs_and_tenancy(api_service):  # noqa: F811
     assert resumed["status"] == "active" and resumed["next_run_at"] > time.time()
 
     # the beat fires it (clock moved to its due time): the run is listed
-    fired = fire_schedule(get_sessionmaker(api_service.db_url), sched["id"], resumed["next_run_at"] + 1)
+    fired = in_transaction(api_service.db_url, fire_schedule, sched["id"], resumed["next_run_at"] + 1)
     runs = client.get(f"/schedules/{sched['id']}/runs").json()["data"]
     assert [r["id"] for r in runs] == [fired] and runs[0]["status"] == "pending"
     assert runs[0]["due_at"] == resumed["next_run_at"] and runs[0]["object"] == "schedule.run"
@@ -126,7 +127,8 @@ def test_batch_cost_live_then_stored_html_and_per_day(api_service, tmp_path):  #
 
     base = datetime(2026, 11, 21, 23, 59, 58, tzinfo=timezone.utc).timestamp()   # across midnight
     _finish_all(api_service.db_url, batch_id, base)
-    assert finalize_batch(batch_id, store=store, db_url=api_service.db_url).status == "completed"
+    settings = Settings(database_url=api_service.db_url)   # the finalize task, run here on the API's database
+    assert finalize_batch(batch_id, settings=settings, store=store).status == "completed"
     report = client.get(f"/batches/{batch_id}/cost").json()
     assert report["status"] == "completed" and report["files"]["json"].startswith("file-")
     assert report["tokens"] == {"prompt_tokens": 400, "cached_prompt_tokens": 128, "uncached_prompt_tokens": 272,

@@ -8,20 +8,29 @@ import orjson
 import pytest
 from sqlalchemy import select, update
 
-from nightshift.jobs.batches import InvalidTransition, batch_progress, cancel_now, request_cancel, start_finalize_if_done
-from nightshift.jobs.finalize import finalize_batch
-from nightshift.jobs.leases import LeaseLost, RequestResult, claim_shard, complete_shard, pending_requests, write_results
-from nightshift.jobs.models import Batch, File, Request, RequestStatus, Shard
-from nightshift.jobs.reconcile import expire_batches, reconcile
+from nightshift.jobs.batches.leases import (LeaseLost, RequestResult, claim_shard, complete_shard, pending_requests,
+                                            write_results)
+from nightshift.jobs.batches.lifecycle import InvalidTransition, cancel_now, request_cancel, start_finalize_if_done
+from nightshift.jobs.batches.models import Batch, Request, RequestStatus, Shard
+from nightshift.jobs.batches.progress import batch_progress
+from nightshift.jobs.batches.reconcile import reconcile
+from nightshift.jobs.files.models import File
 from nightshift.storage.db import session_scope
-from tests.service.factories import make_running_batch
+from nightshift.workers.batch_upkeep import expire_due_batches
+from nightshift.workers.finalize import finalize_batch
+from tests.service.factories import in_transaction, make_running_batch
 
 
 @pytest.fixture
-def store(settings_env, tmp_path):
+def settings(any_db, settings_env, tmp_path):
+    return settings_env(database_url=any_db, storage_dir=tmp_path / "objects", lease_seconds=30)
+
+
+@pytest.fixture
+def store(settings):
     from nightshift.storage.objectstore import get_object_store
 
-    return get_object_store(settings_env(storage_dir=tmp_path / "objects", lease_seconds=30))
+    return get_object_store(settings)
 
 
 def ok(row_id: int, text: str = "fine", cached: int = 1) -> RequestResult:
@@ -39,25 +48,26 @@ def read_jsonl(store, batch_id: str, file_id: str | None, db_url: str) -> list[d
     return [orjson.loads(x) for x in b"".join(store.get_stream(key)).splitlines()]
 
 
-def test_stale_lease_cannot_write_and_rerun_skips_done(any_db, store):
+def test_stale_lease_cannot_write_and_rerun_skips_done(any_db, settings, store):
     bid, (shard,) = make_running_batch(any_db, store, 4, 1)
-    lease1 = claim_shard(shard, "w1", lease_seconds=30, db_url=any_db)
+    lease1 = in_transaction(any_db, claim_shard, shard, "w1", lease_seconds=30)
     assert lease1 is not None and lease1.attempt == 1
-    assert claim_shard(shard, "w2", lease_seconds=30, db_url=any_db) is None  # lease is live
-    rows = pending_requests(lease1, db_url=any_db)
-    assert write_results(lease1, [ok(rows[0].id), ok(rows[1].id)], 30, db_url=any_db) == 2
+    assert in_transaction(any_db, claim_shard, shard, "w2", lease_seconds=30) is None  # lease is live
+    rows = in_transaction(any_db, pending_requests, lease1)
+    assert in_transaction(any_db, write_results, lease1, [ok(rows[0].id), ok(rows[1].id)], 30) == 2
     # w1 dies; its lease expires; the reconciler hands the shard back and w2 claims it
-    acts = reconcile(db_url=any_db, now=time.time() + 60)
+    acts = in_transaction(any_db, reconcile, settings, now=time.time() + 60)
     assert acts.run_shards == [shard]
-    lease2 = claim_shard(shard, "w2", lease_seconds=30, db_url=any_db)
+    lease2 = in_transaction(any_db, claim_shard, shard, "w2", lease_seconds=30)
     assert lease2 is not None and lease2.attempt == 2 and lease2.token != lease1.token
-    assert [r.custom_id for r in pending_requests(lease2, db_url=any_db)] == ["req-2", "req-3"]
+    assert [r.custom_id for r in in_transaction(any_db, pending_requests, lease2)] == ["req-2", "req-3"]
     # the stale worker comes back: its write is rejected, nothing changes
     with pytest.raises(LeaseLost):
-        write_results(lease1, [ok(rows[2].id, "stale")], 30, db_url=any_db)
+        in_transaction(any_db, write_results, lease1, [ok(rows[2].id, "stale")], 30)
     # the new attempt writing an already-done row is a no-op (exactly once)
-    assert write_results(lease2, [ok(rows[0].id, "dup"), ok(rows[2].id), ok(rows[3].id)], 30, db_url=any_db) == 2
-    assert complete_shard(lease2, db_url=any_db)
+    assert in_transaction(any_db, write_results, lease2,
+                          [ok(rows[0].id, "dup"), ok(rows[2].id), ok(rows[3].id)], 30) == 2
+    assert in_transaction(any_db, complete_shard, lease2)
     with session_scope(any_db) as s:
         texts = {r.custom_id: r.response_body["choices"][0]["message"]["content"]
                  for r in s.scalars(select(Request).where(Request.batch_id == bid))}
@@ -69,22 +79,22 @@ def test_stale_lease_cannot_write_and_rerun_skips_done(any_db, store):
     assert attempts == {"req-0": 1, "req-1": 1, "req-2": 2, "req-3": 2}
 
 
-def test_finalize_writes_line_ordered_files_and_is_idempotent(any_db, store):
+def test_finalize_writes_line_ordered_files_and_is_idempotent(any_db, settings, store):
     bid, shards = make_running_batch(any_db, store, 6, 2)
     for shard in shards:
-        lease = claim_shard(shard, "w", 30, db_url=any_db)
-        rows = pending_requests(lease, db_url=any_db)
+        lease = in_transaction(any_db, claim_shard, shard, "w", 30)
+        rows = in_transaction(any_db, pending_requests, lease)
         results = [ok(r.id) if r.line % 3 else
                    RequestResult(r.id, RequestStatus.FAILED, response_status_code=400,
                                  response_body={"error": {"code": "context_length_exceeded", "message": "long",
                                                           "type": "invalid_request_error", "param": None}},
                                  finish_reason="error") for r in rows]
-        write_results(lease, results, 30, db_url=any_db)
-        assert complete_shard(lease, db_url=any_db)
+        in_transaction(any_db, write_results, lease, results, 30)
+        assert in_transaction(any_db, complete_shard, lease)
     with session_scope(any_db) as s:
         assert start_finalize_if_done(s, bid)
         assert not start_finalize_if_done(s, bid)  # only one caller wins
-    first = finalize_batch(bid, store=store, db_url=any_db)
+    first = finalize_batch(bid, settings=settings, store=store)
     assert (first.status, first.output_lines, first.error_lines) == ("completed", 4, 2)
     with session_scope(any_db) as s:
         b = s.get(Batch, bid)
@@ -101,33 +111,33 @@ def test_finalize_writes_line_ordered_files_and_is_idempotent(any_db, store):
     # a crash after the files were written but before the status commit: finalize runs again
     with session_scope(any_db) as s:
         s.execute(update(Batch).where(Batch.id == bid).values(status="finalizing"))
-    again = finalize_batch(bid, store=store, db_url=any_db)
+    again = finalize_batch(bid, settings=settings, store=store)
     assert again.status == "completed"
     with session_scope(any_db) as s:
         b = s.get(Batch, bid)
         assert (b.output_file_id, b.error_file_id) == (out_id, err_id)
         assert s.query(File).filter(File.purpose == "batch_output").count() == 4  # output, errors, cost.json, cost.csv
     assert read_jsonl(store, bid, out_id, any_db) == out
-    assert finalize_batch(bid, store=store, db_url=any_db).status == "completed"  # terminal: no-op
+    assert finalize_batch(bid, settings=settings, store=store).status == "completed"  # terminal: no-op
 
 
-def test_cancel_mid_run_keeps_finished_and_drains_the_rest(any_db, store):
+def test_cancel_mid_run_keeps_finished_and_drains_the_rest(any_db, settings, store):
     bid, (s1, s2) = make_running_batch(any_db, store, 6, 2)
-    lease = claim_shard(s1, "w", 30, db_url=any_db)
-    done = pending_requests(lease, db_url=any_db)[:2]
-    write_results(lease, [ok(r.id) for r in done], 30, db_url=any_db)
+    lease = in_transaction(any_db, claim_shard, s1, "w", 30)
+    done = in_transaction(any_db, pending_requests, lease)[:2]
+    in_transaction(any_db, write_results, lease, [ok(r.id) for r in done], 30)
     with session_scope(any_db) as s:
         assert request_cancel(s, bid).status == "cancelling"
     with session_scope(any_db) as s:
         assert request_cancel(s, bid).status == "cancelling"  # idempotent
         assert cancel_now(s, bid)
     # the worker still running shard 1 has lost its lease: its late write is refused
-    rest = [r for r in pending_requests(lease, db_url=any_db)]
+    rest = [r for r in in_transaction(any_db, pending_requests, lease)]
     assert rest == []
     with pytest.raises(LeaseLost):
-        write_results(lease, [ok(done[0].id)], 30, db_url=any_db)
-    assert claim_shard(s2, "w2", 30, db_url=any_db) is None
-    result = finalize_batch(bid, store=store, db_url=any_db)
+        in_transaction(any_db, write_results, lease, [ok(done[0].id)], 30)
+    assert in_transaction(any_db, claim_shard, s2, "w2", 30) is None
+    result = finalize_batch(bid, settings=settings, store=store)
     assert (result.status, result.output_lines, result.error_lines) == ("cancelled", 2, 4)
     with session_scope(any_db) as s:
         b = s.get(Batch, bid)
@@ -142,21 +152,21 @@ def test_cancel_mid_run_keeps_finished_and_drains_the_rest(any_db, store):
     assert sorted(ids) == sorted(f"req-{i}" for i in range(6))
 
 
-def test_expiry_keeps_partial_results(any_db, store):
+def test_expiry_keeps_partial_results(any_db, settings, store):
     bid, (s1,) = make_running_batch(any_db, store, 3, 1)
-    lease = claim_shard(s1, "w", 30, db_url=any_db)
-    first = pending_requests(lease, db_url=any_db)[0]
-    write_results(lease, [ok(first.id)], 30, db_url=any_db)
+    lease = in_transaction(any_db, claim_shard, s1, "w", 30)
+    first = in_transaction(any_db, pending_requests, lease)[0]
+    in_transaction(any_db, write_results, lease, [ok(first.id)], 30)
     with session_scope(any_db) as s:
         expires = s.get(Batch, bid).expires_at
-    assert reconcile(db_url=any_db, now=expires - 1).finalize == []
-    assert expire_batches(db_url=any_db, now=expires - 1) == []
-    assert expire_batches(db_url=any_db, now=expires + 1) == [bid]
-    assert expire_batches(db_url=any_db, now=expires + 2) == []  # once
+    assert in_transaction(any_db, reconcile, settings, now=expires - 1).finalize == []
+    assert expire_due_batches(settings, now=expires - 1) == []
+    assert expire_due_batches(settings, now=expires + 1) == [bid]
+    assert expire_due_batches(settings, now=expires + 2) == []  # once
     with pytest.raises(LeaseLost):
-        write_results(lease, [ok(r.id) for r in pending_requests(lease, db_url=any_db)] or [ok(first.id)], 30,
-                      db_url=any_db)
-    result = finalize_batch(bid, store=store, db_url=any_db)
+        in_transaction(any_db, write_results, lease,
+                       [ok(r.id) for r in in_transaction(any_db, pending_requests, lease)] or [ok(first.id)], 30)
+    result = finalize_batch(bid, settings=settings, store=store)
     assert (result.status, result.output_lines, result.error_lines) == ("expired", 1, 2)
     with session_scope(any_db) as s:
         b = s.get(Batch, bid)
@@ -169,16 +179,16 @@ def test_reconciler_resends_lost_messages_and_gives_up_after_max_attempts(any_db
     settings = settings_env(storage_dir=tmp_path / "objects", max_shard_attempts=2, requeue_pending_after_seconds=5)
     bid, (shard,) = make_running_batch(any_db, store, 2, 1)
     now = time.time()
-    assert reconcile(settings=settings, db_url=any_db, now=now).run_shards == []  # message is fresh
-    assert reconcile(settings=settings, db_url=any_db, now=now + 10).run_shards == [shard]  # lost wake-up
-    assert reconcile(settings=settings, db_url=any_db, now=now + 11).run_shards == []  # just re-sent
+    assert in_transaction(any_db, reconcile, settings, now=now).run_shards == []  # message is fresh
+    assert in_transaction(any_db, reconcile, settings, now=now + 10).run_shards == [shard]  # lost wake-up
+    assert in_transaction(any_db, reconcile, settings, now=now + 11).run_shards == []  # just re-sent
     for attempt in (1, 2):
-        lease = claim_shard(shard, f"w{attempt}", 1, db_url=any_db, now=now + 20 * attempt)
+        lease = in_transaction(any_db, claim_shard, shard, f"w{attempt}", 1, now=now + 20 * attempt)
         assert lease.attempt == attempt
-        acts = reconcile(settings=settings, db_url=any_db, now=now + 20 * attempt + 5)
+        acts = in_transaction(any_db, reconcile, settings, now=now + 20 * attempt + 5)
     # the second expired lease hit max_shard_attempts: requests drained, batch ready to finalize
     assert acts.run_shards == [] and acts.finalize == [bid]
-    assert finalize_batch(bid, store=store, db_url=any_db).status == "completed"
+    assert finalize_batch(bid, settings=settings, store=store).status == "completed"
     with session_scope(any_db) as s:
         codes = s.scalars(select(Request.error_code).where(Request.batch_id == bid)).all()
     assert codes == ["shard_failed", "shard_failed"]

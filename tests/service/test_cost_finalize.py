@@ -11,22 +11,28 @@ import orjson
 import pytest
 from sqlalchemy import select, update
 
-from nightshift.jobs.batches import start_finalize_if_done
-from nightshift.jobs.cost_reports import cost_file_ids
-from nightshift.jobs.finalize import finalize_batch
-from nightshift.jobs.leases import RequestResult, claim_shard, complete_shard, pending_requests, write_results
-from nightshift.jobs.models import Batch, File, Request, RequestStatus
-from nightshift.jobs.reconcile import reconcile
+from nightshift.jobs.batches.leases import RequestResult, claim_shard, complete_shard, pending_requests, write_results
+from nightshift.jobs.batches.lifecycle import start_finalize_if_done
+from nightshift.jobs.batches.models import Batch, Request, RequestStatus
+from nightshift.jobs.batches.reconcile import reconcile
+from nightshift.jobs.costs.batch_costs import cost_file_ids
+from nightshift.jobs.files.models import File
 from nightshift.storage.db import session_scope
-from tests.service.factories import make_running_batch
+from nightshift.workers.finalize import finalize_batch
+from tests.service.factories import in_transaction, make_running_batch
 
 
 @pytest.fixture
-def store(settings_env, tmp_path):
+def settings(any_db, settings_env, tmp_path):
+    return settings_env(database_url=any_db, storage_dir=tmp_path / "objects", lease_seconds=30,
+                        instance_usd_per_hour='{"cpu": 0.36, "cuda": 3.6}')
+
+
+@pytest.fixture
+def store(settings):
     from nightshift.storage.objectstore import get_object_store
 
-    return get_object_store(settings_env(storage_dir=tmp_path / "objects", lease_seconds=30,
-                                         instance_usd_per_hour='{"cpu": 0.36, "cuda": 3.6}'))
+    return get_object_store(settings)
 
 
 def result(row_id: int, secs: float) -> RequestResult:
@@ -41,25 +47,25 @@ def read(store, db_url, file_id) -> bytes:  # noqa: ANN001
         return b"".join(store.get_stream(s.get(File, file_id).object_key))
 
 
-def test_rerun_shard_is_not_double_counted_and_finalize_is_idempotent(any_db, store):
+def test_rerun_shard_is_not_double_counted_and_finalize_is_idempotent(any_db, settings, store):
     bid, (shard_a, shard_b) = make_running_batch(any_db, store, 6, 2)
     # worker 1 answers two of shard A's three requests on the GPU, then dies
-    lease1 = claim_shard(shard_a, "w1", lease_seconds=30, device="cuda:0", db_url=any_db)
-    rows_a = pending_requests(lease1, db_url=any_db)
-    write_results(lease1, [result(rows_a[0].id, 0.25), result(rows_a[1].id, 0.5)], 30,
-                  device="cuda:0", db_url=any_db)
-    reconcile(db_url=any_db, now=time.time() + 60)
+    lease1 = in_transaction(any_db, claim_shard, shard_a, "w1", lease_seconds=30, device="cuda:0")
+    rows_a = in_transaction(any_db, pending_requests, lease1)
+    in_transaction(any_db, write_results, lease1, [result(rows_a[0].id, 0.25), result(rows_a[1].id, 0.5)], 30,
+                   device="cuda:0")
+    in_transaction(any_db, reconcile, settings, now=time.time() + 60)
     # worker 2 re-runs shard A on a CPU: it answers all three, but only the unanswered one lands
-    lease2 = claim_shard(shard_a, "w2", lease_seconds=30, device="cpu", db_url=any_db)
-    assert write_results(lease2, [result(r.id, 9.0) for r in rows_a], 30, device="cpu", db_url=any_db) == 1
-    assert complete_shard(lease2, db_url=any_db)
-    lease3 = claim_shard(shard_b, "w2", lease_seconds=30, device="cpu", db_url=any_db)
-    write_results(lease3, [result(r.id, 1.0) for r in pending_requests(lease3, db_url=any_db)], 30,
-                  device="cpu", db_url=any_db)
-    assert complete_shard(lease3, db_url=any_db)
+    lease2 = in_transaction(any_db, claim_shard, shard_a, "w2", lease_seconds=30, device="cpu")
+    assert in_transaction(any_db, write_results, lease2, [result(r.id, 9.0) for r in rows_a], 30, device="cpu") == 1
+    assert in_transaction(any_db, complete_shard, lease2)
+    lease3 = in_transaction(any_db, claim_shard, shard_b, "w2", lease_seconds=30, device="cpu")
+    in_transaction(any_db, write_results, lease3,
+                   [result(r.id, 1.0) for r in in_transaction(any_db, pending_requests, lease3)], 30, device="cpu")
+    assert in_transaction(any_db, complete_shard, lease3)
     with session_scope(any_db) as s:
         assert start_finalize_if_done(s, bid)
-    assert finalize_batch(bid, store=store, db_url=any_db).status == "completed"
+    assert finalize_batch(bid, settings=settings, store=store).status == "completed"
 
     json_id, csv_id = cost_file_ids(bid)
     report = orjson.loads(read(store, any_db, json_id))
@@ -82,7 +88,7 @@ def test_rerun_shard_is_not_double_counted_and_finalize_is_idempotent(any_db, st
     # finalize crashes after writing, before its status commit, and runs again: same files, same sums
     with session_scope(any_db) as s:
         s.execute(update(Batch).where(Batch.id == bid).values(status="finalizing"))
-    assert finalize_batch(bid, store=store, db_url=any_db).status == "completed"
+    assert finalize_batch(bid, settings=settings, store=store).status == "completed"
     again = orjson.loads(read(store, any_db, json_id))
     for key in ("requests", "tokens", "engine_seconds", "cost", "by_device", "savings", "files"):
         assert again[key] == report[key]

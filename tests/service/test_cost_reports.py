@@ -10,10 +10,13 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import select
 
-from nightshift.jobs.cost_reports import (cost_file_ids, read_cost_report, stored_cost_report_key, costs_by_day, live_cost_report,
-                               write_cost_files)
+from nightshift.jobs.batches.models import Batch, Request
+from nightshift.jobs.costs.batch_costs import (cost_file_ids, live_cost_report, read_cost_report,
+                                               stored_cost_report_key, write_cost_files)
+from nightshift.jobs.costs.daily_costs import costs_by_day
+from nightshift.jobs.files.models import File
 from nightshift.jobs.ids import new_id
-from nightshift.jobs.models import Batch, File, Project, Request
+from nightshift.jobs.projects.models import Project
 from nightshift.storage.db import get_sessionmaker
 from nightshift.storage.localdir import LocalDirStore
 from nightshift.storage.s3 import S3Store

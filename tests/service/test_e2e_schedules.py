@@ -17,11 +17,13 @@ import redis
 from celery import Celery
 from sqlalchemy import func, select
 
-from nightshift.jobs.cost_reports import cost_file_ids
+from nightshift.jobs.batches.models import Batch, Request
+from nightshift.jobs.costs.batch_costs import cost_file_ids
+from nightshift.jobs.files.models import File
 from nightshift.jobs.ids import new_id
-from nightshift.jobs.models import Batch, File, Project, Request
-from nightshift.jobs.schedule_models import RunStatus, ScheduleRun
-from nightshift.jobs.schedules import create_schedule
+from nightshift.jobs.projects.models import Project
+from nightshift.jobs.schedules.models import RunStatus, ScheduleRun
+from nightshift.jobs.schedules.service import create_schedule
 from nightshift.storage.db import session_scope
 from nightshift.storage.s3 import S3Store
 from nightshift.workers.celery_app import TASK_SCHEDULES_TICK

@@ -4,13 +4,12 @@ custom_id appears exactly once across the output and error files. The same pipel
 on the embedded default (SQLite + local folder + filesystem:// broker)."""
 from __future__ import annotations
 
-import time
-
 import orjson
 import pytest
 from sqlalchemy import select
 
-from nightshift.jobs.models import Batch, File, Request, Shard
+from nightshift.jobs.batches.models import Batch, Request, Shard
+from nightshift.jobs.files.models import File
 from nightshift.storage.db import session_scope
 from tests.service.celery_procs import kill_group, service_env, start_worker, stop, wait_for
 from tests.service.factories import make_batch, make_input_file, make_project

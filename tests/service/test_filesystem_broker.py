@@ -61,3 +61,21 @@ def test_an_empty_message_file_is_skipped_not_fatal(tmp_path):
         message = queue.get(timeout=5)
         assert message.payload == {"n": 1}
         message.ack()
+
+
+def test_the_app_makes_its_folders_when_it_first_publishes_not_on_import(tmp_path):
+    import subprocess
+    import sys
+
+    from nightshift.workers.procs import service_env
+
+    home = tmp_path / "home"
+    env = service_env(home=home)
+    imported = subprocess.run([sys.executable, "-c", "import nightshift.workers.tasks, nightshift.workers.schedule_tasks"],
+                              env=env, capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0, imported.stderr
+    assert not home.exists()
+    published = subprocess.run([sys.executable, "-c", "from nightshift.workers.dispatch import enqueue_ingest; "
+                                "enqueue_ingest('batch_x')"], env=env, capture_output=True, text=True, timeout=120)
+    assert published.returncode == 0, published.stderr
+    assert [p.name for p in (home / "broker" / "queue").iterdir()][0].endswith(".cpu.msg")

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import func, select
 
-from nightshift.jobs.ingest import ingest_batch
-from nightshift.jobs.models import Batch, Request, Shard
+from nightshift.jobs.batches.models import Batch, Request, Shard
 from nightshift.storage.db import session_scope
+from nightshift.workers.ingest import ingest_batch
 from tests.service.factories import make_batch, make_input_file, make_project
 
 CHAT = "/v1/chat/completions"
@@ -28,13 +28,13 @@ def chat_line(i: int, system: str = "You are a terse assistant.", model: str = "
 def test_valid_file_becomes_requests_and_prefix_grouped_shards(any_db, settings_env, tmp_path, tokenizer):
     from nightshift.storage.objectstore import get_object_store
 
-    settings = settings_env(storage_dir=tmp_path / "o", shard_token_budget=400)
+    settings = settings_env(database_url=any_db, storage_dir=tmp_path / "o", shard_token_budget=400)
     store = get_object_store()
     pid = make_project(any_db)
     systems = ["You answer in French. " * 4, "You answer in German. " * 4]
     lines = [chat_line(i, systems[i % 2]) for i in range(20)]
     bid = make_batch(any_db, pid, make_input_file(any_db, store, pid, lines))
-    outcome = ingest_batch(bid, tokenizer, store=store, settings=settings, db_url=any_db)
+    outcome = ingest_batch(bid, tokenizer, settings=settings, store=store)
     assert outcome.status == "in_progress" and outcome.request_count == 20 and len(outcome.shard_ids) >= 2
     with session_scope(any_db) as s:
         b = s.get(Batch, bid)
@@ -51,7 +51,7 @@ def test_valid_file_becomes_requests_and_prefix_grouped_shards(any_db, settings_
             assert len({r.body["messages"][0]["content"] for r in members}) == 1  # one system prompt per shard
         assert sum(sh.num_requests for sh in shards) == 20
     # a duplicated ingest message changes nothing
-    assert ingest_batch(bid, tokenizer, store=store, settings=settings, db_url=any_db).shard_ids == []
+    assert ingest_batch(bid, tokenizer, settings=settings, store=store).shard_ids == []
     with session_scope(any_db) as s:
         assert s.scalar(select(func.count()).select_from(Request).where(Request.batch_id == bid)) == 20
 
@@ -59,12 +59,12 @@ def test_valid_file_becomes_requests_and_prefix_grouped_shards(any_db, settings_
 def test_invalid_file_fails_batch_with_line_errors(any_db, settings_env, tmp_path, tokenizer):
     from nightshift.storage.objectstore import get_object_store
 
-    settings = settings_env(storage_dir=tmp_path / "o")
+    settings = settings_env(database_url=any_db, storage_dir=tmp_path / "o")
     store = get_object_store()
     pid = make_project(any_db)
     lines = [chat_line(0), b"{broken", chat_line(0), chat_line(3, model="gpt-4o")]
     bid = make_batch(any_db, pid, make_input_file(any_db, store, pid, lines))
-    assert ingest_batch(bid, tokenizer, store=store, settings=settings, db_url=any_db).status == "failed"
+    assert ingest_batch(bid, tokenizer, settings=settings, store=store).status == "failed"
     with session_scope(any_db) as s:
         b = s.get(Batch, bid)
         assert b.failed_at and b.errors["object"] == "list"
@@ -76,16 +76,16 @@ def test_invalid_file_fails_batch_with_line_errors(any_db, settings_env, tmp_pat
 def test_over_limit_and_missing_file(any_db, settings_env, tmp_path, tokenizer):
     from nightshift.storage.objectstore import get_object_store
 
-    settings = settings_env(storage_dir=tmp_path / "o", max_lines=2)
+    settings = settings_env(database_url=any_db, storage_dir=tmp_path / "o", max_lines=2)
     store = get_object_store()
     pid = make_project(any_db)
     bid = make_batch(any_db, pid, make_input_file(any_db, store, pid, [chat_line(i) for i in range(3)]))
-    ingest_batch(bid, tokenizer, store=store, settings=settings, db_url=any_db)
+    ingest_batch(bid, tokenizer, settings=settings, store=store)
     fid = make_input_file(any_db, store, pid, [chat_line(0)])
     bid2 = make_batch(any_db, pid, fid)
     with session_scope(any_db) as s:
         store.delete(f"files/{fid}")
-    ingest_batch(bid2, tokenizer, store=store, settings=settings, db_url=any_db)
+    ingest_batch(bid2, tokenizer, settings=settings, store=store)
     with session_scope(any_db) as s:
         assert s.get(Batch, bid).errors["data"][0]["code"] == "too_many_tasks"
         assert s.get(Batch, bid2).errors["data"][0]["param"] == "input_file_id"
@@ -94,26 +94,42 @@ def test_over_limit_and_missing_file(any_db, settings_env, tmp_path, tokenizer):
 def test_ingest_from_s3_into_postgres(pg_db, settings_env, s3_server, s3_bucket, tokenizer):
     from nightshift.storage.objectstore import get_object_store
 
-    settings = settings_env(object_store="s3", s3_bucket=s3_bucket, s3_endpoint_url=s3_server,
+    settings = settings_env(database_url=pg_db, object_store="s3", s3_bucket=s3_bucket, s3_endpoint_url=s3_server,
                             s3_access_key_id="t", s3_secret_access_key="t")
     store = get_object_store()
     pid = make_project(pg_db)
     bid = make_batch(pg_db, pid, make_input_file(pg_db, store, pid, [chat_line(i) for i in range(50)]))
-    outcome = ingest_batch(bid, tokenizer, store=store, settings=settings, db_url=pg_db)
+    outcome = ingest_batch(bid, tokenizer, settings=settings, store=store)
     assert outcome.status == "in_progress" and outcome.request_count == 50
 
 
 def test_cancelled_while_validating_is_not_ingested(any_db, settings_env, tmp_path, tokenizer):
-    from nightshift.jobs.batches import request_cancel
+    from nightshift.jobs.batches.lifecycle import request_cancel
     from nightshift.storage.objectstore import get_object_store
 
-    settings = settings_env(storage_dir=tmp_path / "o")
+    settings = settings_env(database_url=any_db, storage_dir=tmp_path / "o")
     store = get_object_store()
     pid = make_project(any_db)
     bid = make_batch(any_db, pid, make_input_file(any_db, store, pid, [chat_line(0)]))
     with session_scope(any_db) as s:
         request_cancel(s, bid)
-    assert ingest_batch(bid, tokenizer, store=store, settings=settings, db_url=any_db).status == "cancelling"
+    assert ingest_batch(bid, tokenizer, settings=settings, store=store).status == "cancelling"
+
+
+def test_completions_file_is_ingested(any_db, settings_env, tmp_path, tokenizer):
+    from nightshift.storage.objectstore import get_object_store
+
+    settings = settings_env(database_url=any_db, storage_dir=tmp_path / "o")
+    store = get_object_store()
+    pid = make_project(any_db)
+    lines = [{"custom_id": f"p{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "default", "prompt": f"Once upon a time {i}", "max_tokens": 4}} for i in range(3)]
+    bid = make_batch(any_db, pid, make_input_file(any_db, store, pid, lines), endpoint="/v1/completions")
+    outcome = ingest_batch(bid, tokenizer, settings=settings, store=store)
+    assert outcome.status == "in_progress" and outcome.request_count == 3
+    with session_scope(any_db) as s:
+        row = s.scalars(select(Request).where(Request.batch_id == bid, Request.custom_id == "p1")).one()
+        assert row.prompt_token_ids == tokenizer.encode("Once upon a time 1")
 
 
 def test_fast_chat_rendering_equals_the_template(tokenizer):

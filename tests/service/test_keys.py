@@ -5,8 +5,8 @@ import time
 
 from sqlalchemy import func, select
 
-from nightshift.jobs.keys import create_key, ensure_key, hash_key, project_for_key
-from nightshift.jobs.models import ApiKey, Project
+from nightshift.jobs.projects.api_keys import create_key, ensure_key, hash_key, project_for_key
+from nightshift.jobs.projects.models import ApiKey, Project
 from nightshift.storage.db import session_scope
 
 

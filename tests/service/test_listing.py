@@ -6,9 +6,12 @@ import io
 
 import pytest
 
-from nightshift.jobs import batch_queries, files
+from nightshift.jobs.batches import service as batch_service
+from nightshift.jobs.batches.models import Batch
 from nightshift.jobs.errors import NotFound
-from nightshift.jobs.models import Batch, File
+from nightshift.jobs.files import service as files
+from nightshift.jobs.files.models import File
+from nightshift.jobs.files.uploads import create_file
 from nightshift.settings import Settings
 from nightshift.storage.db import session_scope
 from nightshift.storage.localdir import LocalDirStore
@@ -41,7 +44,7 @@ def test_batches_page_newest_first_through_ties(any_db):
 
     def fetch(after, limit):  # noqa: ANN001, ANN202
         with session_scope(any_db) as s:
-            return batch_queries.list_batches(s, project, after=after, limit=limit)
+            return batch_service.list_batches(s, project, after=after, limit=limit)
 
     pages = _pages(fetch, 3)
     flat = [i for page in pages for i in page]
@@ -49,7 +52,7 @@ def test_batches_page_newest_first_through_ties(any_db):
     assert [len(p) for p in pages] == [3, 3, 1]
     other = make_project(any_db)
     with session_scope(any_db) as s, pytest.raises(NotFound):
-        batch_queries.list_batches(s, other, after="batch_03")
+        batch_service.list_batches(s, other, after="batch_03")
 
 
 def test_files_page_both_orders_and_hide_deleted(any_db, tmp_path):
@@ -59,7 +62,7 @@ def test_files_page_both_orders_and_hide_deleted(any_db, tmp_path):
     ids = []
     with session_scope(any_db) as s:
         for i in range(5):
-            row = files.create_file(s, store, settings, project_id=project, filename=f"f{i}.jsonl", purpose="batch",
+            row = create_file(s, store, settings, project_id=project, filename=f"f{i}.jsonl", purpose="batch",
                                     source=io.BytesIO(b'{"a": 1}\n{"b": 2}'))
             assert (row.bytes, row.line_count) == (17, 2)
             row.created_at = SAME_INSTANT   # all in one instant: only the id orders them

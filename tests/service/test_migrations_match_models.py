@@ -6,8 +6,7 @@ import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-import nightshift.jobs.schedule_models  # noqa: F401  (its tables are part of the metadata)
-from nightshift.jobs.models import Base
+from nightshift.jobs.tables import metadata
 from nightshift.storage.db import get_engine
 
 
@@ -16,5 +15,5 @@ def test_no_drift_between_models_and_migrations(db, request):
     url = request.getfixturevalue(db)
     with get_engine(url).connect() as conn:
         context = MigrationContext.configure(conn, opts={"compare_type": True})
-        diff = compare_metadata(context, Base.metadata)
+        diff = compare_metadata(context, metadata)
     assert diff == []

@@ -6,11 +6,12 @@ import orjson
 import pytest
 from sqlalchemy import select
 
-from nightshift.jobs.batches import batch_progress
-from nightshift.jobs.finalize import finalize_batch
-from nightshift.jobs.ingest import ingest_batch
-from nightshift.jobs.models import Batch, File, Request, Shard
+from nightshift.jobs.batches.models import Batch, Request, Shard
+from nightshift.jobs.batches.progress import batch_progress
+from nightshift.jobs.files.models import File
 from nightshift.storage.db import session_scope
+from nightshift.workers.finalize import finalize_batch
+from nightshift.workers.ingest import ingest_batch
 from tests.service.factories import make_batch, make_input_file, make_project
 
 pytestmark = pytest.mark.slow
@@ -39,10 +40,10 @@ def run_batch(db_url, store, settings, engine, lines):  # noqa: ANN001
 
     pid = make_project(db_url)
     bid = make_batch(db_url, pid, make_input_file(db_url, store, pid, lines))
-    outcome = ingest_batch(bid, engine.tokenizer, store=store, settings=settings, db_url=db_url)
+    outcome = ingest_batch(bid, engine.tokenizer, settings=settings, store=store)
     assert outcome.status == "in_progress"
-    runs = [run_shard(sid, engine, settings=settings, owner="test-worker", device=engine_device(engine),
-                      db_url=db_url) for sid in outcome.shard_ids]
+    runs = [run_shard(sid, engine, settings=settings, owner="test-worker", device=engine_device(engine))
+            for sid in outcome.shard_ids]
     assert [r.status for r in runs] == ["done"] * len(runs)
     assert sum(r.finalize for r in runs) == 1  # exactly one shard run moved the batch to finalizing
     return bid, outcome.shard_ids
@@ -57,13 +58,13 @@ def read(store, db_url, file_id):  # noqa: ANN001
 def test_batch_runs_end_to_end_with_isolated_failures(any_db, settings_env, tmp_path, engine):
     from nightshift.storage.objectstore import get_object_store
 
-    settings = settings_env(storage_dir=tmp_path / "o")
+    settings = settings_env(database_url=any_db, storage_dir=tmp_path / "o")
     store = get_object_store()
     lines = [line(i) for i in range(4)]
     lines.append(line(4, max_tokens=engine.max_model_len + 10))   # prompt + max_tokens > context
     lines.append(line(5, temperature=7))                            # bad sampling value
     bid, shard_ids = run_batch(any_db, store, settings, engine, lines)
-    result = finalize_batch(bid, store=store, db_url=any_db)
+    result = finalize_batch(bid, settings=settings, store=store)
     assert (result.status, result.output_lines, result.error_lines) == ("completed", 4, 2)
     with session_scope(any_db) as s:
         b = s.get(Batch, bid)
@@ -95,10 +96,10 @@ def test_rerun_of_a_done_shard_writes_nothing(any_db, settings_env, tmp_path, en
     from nightshift.storage.objectstore import get_object_store
     from nightshift.workers.shard_runner import run_shard
 
-    settings = settings_env(storage_dir=tmp_path / "o")
+    settings = settings_env(database_url=any_db, storage_dir=tmp_path / "o")
     store = get_object_store()
     bid, shard_ids = run_batch(any_db, store, settings, engine, [line(i) for i in range(2)])
-    again = run_shard(shard_ids[0], engine, settings=settings, owner="other", device="cpu", db_url=any_db)
+    again = run_shard(shard_ids[0], engine, settings=settings, owner="other", device="cpu")
     assert again.status == "skipped"
     with session_scope(any_db) as s:
         assert {r.worker for r in s.scalars(select(Request).where(Request.batch_id == bid))} == {"test-worker"}
@@ -108,19 +109,19 @@ def test_cancel_mid_shard_stops_the_engine_via_heartbeat(pg_db, settings_env, tm
     import threading
     import time
 
-    from nightshift.jobs.batches import cancel_now, request_cancel
+    from nightshift.jobs.batches.lifecycle import cancel_now, request_cancel
     from nightshift.storage.objectstore import get_object_store
     from nightshift.workers.shard_runner import run_shard
 
-    settings = settings_env(storage_dir=tmp_path / "o", heartbeat_seconds=0.3)
+    settings = settings_env(database_url=pg_db, storage_dir=tmp_path / "o", heartbeat_seconds=0.3)
     store = get_object_store()
     pid = make_project(pg_db)
     long = [line(i, max_tokens=400, ignore_eos=True) for i in range(3)]
     bid = make_batch(pg_db, pid, make_input_file(pg_db, store, pid, long))
-    (shard_id,) = ingest_batch(bid, engine.tokenizer, store=store, settings=settings, db_url=pg_db).shard_ids
+    (shard_id,) = ingest_batch(bid, engine.tokenizer, settings=settings, store=store).shard_ids
     result = {}
     runner = threading.Thread(target=lambda: result.update(run=run_shard(
-        shard_id, engine, settings=settings, owner="w", device="cpu", db_url=pg_db)))
+        shard_id, engine, settings=settings, owner="w", device="cpu")))
     runner.start()
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -138,5 +139,5 @@ def test_cancel_mid_shard_stops_the_engine_via_heartbeat(pg_db, settings_env, tm
     assert not runner.is_alive()
     assert result["run"].status == "lease_lost"
     assert time.monotonic() - cancelled_at < 15  # vs 3 x 400 tokens still to generate
-    out = finalize_batch(bid, store=store, db_url=pg_db)
+    out = finalize_batch(bid, settings=settings, store=store)
     assert (out.status, out.output_lines, out.error_lines) == ("cancelled", 0, 3)

@@ -8,14 +8,18 @@ from datetime import datetime, timezone
 import pytest
 from sqlalchemy import func, select
 
-from nightshift.jobs.cron import InvalidScheduleError
 from nightshift.jobs.ids import new_id
-from nightshift.jobs.models import Project
-from nightshift.jobs.schedule_models import RunStatus, Schedule, ScheduleRun
-from nightshift.jobs.schedules import (ScheduleConflict, ScheduleNotFound, create_schedule, fire_due_schedules,
-                            fire_schedule, get_schedule, list_runs, list_schedules, pause_schedule,
-                            resume_schedule, update_schedule)
+from nightshift.jobs.projects.models import Project
+from nightshift.jobs.schedules.cron import InvalidScheduleError
+from nightshift.jobs.schedules.firing import fire_schedule
+from nightshift.jobs.schedules.models import RunStatus, Schedule, ScheduleRun
+from nightshift.jobs.schedules.service import (ScheduleConflict, ScheduleNotFound, create_schedule, get_schedule,
+                                               list_runs, list_schedules, pause_schedule, resume_schedule,
+                                               update_schedule)
+from nightshift.settings import Settings
 from nightshift.storage.db import get_sessionmaker
+from nightshift.workers.schedule_runs import fire_due_schedules
+from tests.service.factories import in_transaction
 
 
 def ts(*args) -> float:
@@ -56,19 +60,20 @@ def finish_runs(sm, schedule_id):
 
 def test_fires_at_due_time_once_and_catches_up_once(any_db):
     sm = get_sessionmaker(any_db)
+    settings = Settings(database_url=any_db)
     pid = make_project(sm)
     sid = make_schedule(sm, pid, now=ts(2026, 11, 20, 22, 0))
-    assert fire_due_schedules(sm, ts(2026, 11, 21, 1, 59, 59)) == []
-    fired = fire_due_schedules(sm, ts(2026, 11, 21, 2, 0))
+    assert fire_due_schedules(settings, ts(2026, 11, 21, 1, 59, 59)) == []
+    fired = fire_due_schedules(settings, ts(2026, 11, 21, 2, 0))
     assert len(fired) == 1
-    assert fire_due_schedules(sm, ts(2026, 11, 21, 2, 0, 30)) == []
+    assert fire_due_schedules(settings, ts(2026, 11, 21, 2, 0, 30)) == []
     [run] = runs(sm, sid)
     assert (run.id, run.due_at, run.status) == (fired[0], ts(2026, 11, 21, 2, 0), RunStatus.PENDING)
     finish_runs(sm, sid)
     # down for four nights: one catch-up run for the latest missed due time only
-    fired = fire_due_schedules(sm, ts(2026, 11, 25, 9, 30))
+    fired = fire_due_schedules(settings, ts(2026, 11, 25, 9, 30))
     assert len(fired) == 1
-    assert fire_due_schedules(sm, ts(2026, 11, 25, 9, 31)) == []
+    assert fire_due_schedules(settings, ts(2026, 11, 25, 9, 31)) == []
     assert [r.due_at for r in runs(sm, sid)] == [ts(2026, 11, 21, 2), ts(2026, 11, 25, 2)]
     with sm() as s:
         assert s.get(Schedule, sid).next_due_at == ts(2026, 11, 26, 2)
@@ -76,16 +81,18 @@ def test_fires_at_due_time_once_and_catches_up_once(any_db):
 
 def test_timezone_due_time(pg_db):
     sm = get_sessionmaker(pg_db)
+    settings = Settings(database_url=pg_db)
     pid = make_project(sm)
     sid = make_schedule(sm, pid, now=ts(2026, 11, 20, 12), tz="Europe/Berlin")
     with sm() as s:
         assert s.get(Schedule, sid).next_due_at == ts(2026, 11, 21, 1)   # 02:00 CET
-    assert fire_due_schedules(sm, ts(2026, 11, 21, 0, 59)) == []
-    assert len(fire_due_schedules(sm, ts(2026, 11, 21, 1, 0))) == 1
+    assert fire_due_schedules(settings, ts(2026, 11, 21, 0, 59)) == []
+    assert len(fire_due_schedules(settings, ts(2026, 11, 21, 1, 0))) == 1
 
 
 def test_concurrent_firers_fire_each_due_time_exactly_once(any_db):
     sm = get_sessionmaker(any_db)
+    settings = Settings(database_url=any_db)
     pid = make_project(sm)
     ids = [make_schedule(sm, pid, now=ts(2026, 11, 20, 12), name=f"s{i}", cron="*/5 * * * *")
            for i in range(8)]
@@ -97,7 +104,7 @@ def test_concurrent_firers_fire_each_due_time_exactly_once(any_db):
     def firer():
         try:
             barrier.wait()
-            results.append(fire_due_schedules(sm, now))
+            results.append(fire_due_schedules(settings, now))
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -122,35 +129,37 @@ def test_stale_firer_is_stopped_by_the_unique_run_key(pg_db):
     pid = make_project(sm)
     sid = make_schedule(sm, pid, now=ts(2026, 11, 20, 22))
     due_now = ts(2026, 11, 21, 2, 0, 10)
-    assert fire_schedule(sm, sid, due_now)
+    assert in_transaction(pg_db, fire_schedule, sid, due_now)
     finish_runs(sm, sid)
     with sm() as s, s.begin():   # rewind the schedule as a stale process would see it
         sched = s.get(Schedule, sid)
         sched.fire_after, sched.next_due_at = ts(2026, 11, 20, 22), ts(2026, 11, 21, 2)
-    assert fire_schedule(sm, sid, due_now) is None
+    assert in_transaction(pg_db, fire_schedule, sid, due_now) is None
     assert len(runs(sm, sid)) == 1
 
 
 def test_overlapping_run_is_skipped_not_doubled(pg_db):
     sm = get_sessionmaker(pg_db)
+    settings = Settings(database_url=pg_db)
     pid = make_project(sm)
     sid = make_schedule(sm, pid, now=ts(2026, 11, 20, 12), cron="0 * * * *")
-    assert len(fire_due_schedules(sm, ts(2026, 11, 20, 13))) == 1
-    assert fire_due_schedules(sm, ts(2026, 11, 20, 14)) == []   # first run still pending
+    assert len(fire_due_schedules(settings, ts(2026, 11, 20, 13))) == 1
+    assert fire_due_schedules(settings, ts(2026, 11, 20, 14)) == []   # first run still pending
     assert [r.status for r in runs(sm, sid)] == [RunStatus.PENDING, RunStatus.SKIPPED]
 
 
 def test_pause_resume_does_not_fire_missed_times(pg_db):
     sm = get_sessionmaker(pg_db)
+    settings = Settings(database_url=pg_db)
     pid = make_project(sm)
     sid = make_schedule(sm, pid, now=ts(2026, 11, 20, 12))
     with sm() as s, s.begin():
         pause_schedule(s, get_schedule(s, pid, sid), now=ts(2026, 11, 20, 13))
-    assert fire_due_schedules(sm, ts(2026, 11, 21, 3)) == []
+    assert fire_due_schedules(settings, ts(2026, 11, 21, 3)) == []
     with sm() as s, s.begin():
         resume_schedule(s, get_schedule(s, pid, sid), now=ts(2026, 11, 21, 3))
-    assert fire_due_schedules(sm, ts(2026, 11, 21, 4)) == []
-    assert len(fire_due_schedules(sm, ts(2026, 11, 22, 2))) == 1
+    assert fire_due_schedules(settings, ts(2026, 11, 21, 4)) == []
+    assert len(fire_due_schedules(settings, ts(2026, 11, 22, 2))) == 1
 
 
 def test_validation_conflict_update_and_tenancy(pg_db):

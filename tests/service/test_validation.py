@@ -4,9 +4,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from nightshift.jobs.openai_mapping import RequestBodyError, response_body, sampling_kwargs
-from nightshift.jobs.sharding import plan_shards
-from nightshift.jobs.validation import validate_lines
+from nightshift.jobs.batches.openai_mapping import RequestBodyError, response_body, sampling_kwargs
+from nightshift.jobs.batches.shard_planning import plan_shards
+from nightshift.jobs.batches.validation import validate_lines
 
 CHAT = "/v1/chat/completions"
 MODELS = {"default", "SmolLM2-135M-Instruct"}

@@ -6,7 +6,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from nightshift.jobs.costs import Prices, RequestUsage, build_cost_report, cost_csv, request_cost_usd
+from nightshift.jobs.costs.accounting import Prices, RequestUsage, request_cost_usd
+from nightshift.jobs.costs.cost_report import build_cost_report, cost_csv
 
 T0 = datetime(2026, 11, 22, 2, 0, tzinfo=timezone.utc).timestamp()
 PRICES = Prices(instance_usd_per_hour={"cpu": 0.12, "cuda": 2.5},

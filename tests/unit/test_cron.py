@@ -3,8 +3,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from nightshift.jobs.cron import (InvalidScheduleError, due_time_to_fire, latest_due_at_or_before,
-                       next_due_after, validate_cron)
+from nightshift.jobs.schedules.cron import (InvalidScheduleError, due_time_to_fire, latest_due_at_or_before,
+                                            next_due_after, validate_cron)
 
 UTC = timezone.utc
 

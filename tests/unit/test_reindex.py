@@ -2,9 +2,9 @@
 import orjson
 import pytest
 
-from nightshift.jobs.reindex import (TemplateRenderError, build_manifest, check_prompt_template,
-                          content_hash, manifest_key, output_key, render_body, request_line,
-                          select_changed)
+from nightshift.jobs.schedules.reindex import (TemplateRenderError, build_manifest, check_prompt_template,
+                                               content_hash, manifest_key, output_key, render_body,
+                                               request_line, select_changed)
 
 
 def test_select_changed_new_modified_unchanged_removed():

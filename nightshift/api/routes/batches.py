@@ -11,9 +11,9 @@ from starlette.concurrency import run_in_threadpool
 from nightshift.api.deps import CallerDep, SettingsDep
 from nightshift.api.schemas.batches import BatchCreate, BatchObject
 from nightshift.api.schemas.common import ListPage
-from nightshift.jobs import batch_queries
-from nightshift.jobs.batches import BatchProgress, batch_progress
-from nightshift.jobs.models import Batch
+from nightshift.jobs.batches import service as batch_service
+from nightshift.jobs.batches.models import Batch
+from nightshift.jobs.batches.progress import BatchProgress, batch_progress
 from nightshift.workers.dispatch import enqueue_cancel, enqueue_ingest
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -53,7 +53,7 @@ def _one(session, batch: Batch) -> BatchObject:  # noqa: ANN001
 @router.post("", response_model=BatchObject)
 async def create_batch(body: BatchCreate, caller: CallerDep, settings: SettingsDep) -> BatchObject:
     def create(session: Session, project_id: str) -> BatchObject:
-        batch = batch_queries.create_batch(
+        batch = batch_service.create_batch(
             session, settings, project_id=project_id, input_file_id=body.input_file_id, endpoint=body.endpoint,
             completion_window=body.completion_window, metadata=body.metadata,
             output_expires_after_seconds=body.output_expires_after.seconds if body.output_expires_after else None)
@@ -68,7 +68,7 @@ async def create_batch(body: BatchCreate, caller: CallerDep, settings: SettingsD
 async def list_batches(caller: CallerDep, after: Optional[str] = None,
                        limit: int = Query(20, ge=1, le=100)) -> ListPage[BatchObject]:
     def page(session: Session, project_id: str) -> ListPage[BatchObject]:
-        batches, has_more = batch_queries.list_batches(session, project_id, after=after, limit=limit)
+        batches, has_more = batch_service.list_batches(session, project_id, after=after, limit=limit)
         progress = batch_progress(session, batches)
         return ListPage[BatchObject].of([batch_object(b, progress[b.id]) for b in batches], has_more)
 
@@ -78,13 +78,13 @@ async def list_batches(caller: CallerDep, after: Optional[str] = None,
 @router.get("/{batch_id}", response_model=BatchObject)
 async def retrieve_batch(batch_id: str, caller: CallerDep) -> BatchObject:
     return await caller.read(lambda session, project_id:
-                             _one(session, batch_queries.get_batch(session, project_id, batch_id)))
+                             _one(session, batch_service.get_batch(session, project_id, batch_id)))
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)
 async def cancel_batch(batch_id: str, caller: CallerDep) -> BatchObject:
     batch = await caller.run(lambda session, project_id:
-                             _one(session, batch_queries.cancel_batch(session, project_id, batch_id)))
+                             _one(session, batch_service.cancel_batch(session, project_id, batch_id)))
     if batch.status == "cancelling":
         await run_in_threadpool(_wake, enqueue_cancel, batch.id)  # after the commit
     return batch

@@ -1,4 +1,4 @@
-"""Cost routes (issue 6): a batch's cost report (JSON, or the HTML page) and costs per day."""
+"""Cost routes: a batch's cost report (JSON, or the HTML page) and costs per day."""
 from __future__ import annotations
 
 import time
@@ -11,9 +11,10 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from nightshift.api.deps import CallerDep, SettingsDep, StoreDep
-from nightshift.jobs import batch_queries
-from nightshift.jobs.cost_page import render_cost_page
-from nightshift.jobs.cost_reports import costs_by_day, live_cost_report, read_cost_report, stored_cost_report_key
+from nightshift.jobs.batches.service import get_batch
+from nightshift.jobs.costs.batch_costs import live_cost_report, read_cost_report, stored_cost_report_key
+from nightshift.jobs.costs.daily_costs import costs_by_day
+from nightshift.jobs.costs.html_page import render_cost_page
 from nightshift.jobs.errors import InvalidInput
 
 router = APIRouter(tags=["costs"])
@@ -25,11 +26,10 @@ async def batch_cost(batch_id: str, caller: CallerDep, store: StoreDep, settings
                      format: Literal["json", "html"] = "json") -> JSONResponse | HTMLResponse:
     """cost.json of a finished batch (a live report while it runs); ?format=html for the page."""
     def live_report(session: Session, project_id: str) -> dict:
-        return live_cost_report(session, batch_queries.get_batch(session, project_id, batch_id), settings,
-                                now=time.time())
+        return live_cost_report(session, get_batch(session, project_id, batch_id), settings, now=time.time())
 
     key = await caller.read(lambda session, project_id:
-                            stored_cost_report_key(session, batch_queries.get_batch(session, project_id, batch_id)))
+                            stored_cost_report_key(session, get_batch(session, project_id, batch_id)))
     # A finished batch's stored report is read with no database connection held.
     report = await run_in_threadpool(read_cost_report, store, key) if key else None
     if report is None:

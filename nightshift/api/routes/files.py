@@ -13,8 +13,9 @@ from nightshift.api.deps import CallerDep, SettingsDep, StoreDep
 from nightshift.api.errors import APIError
 from nightshift.api.schemas.common import ListPage
 from nightshift.api.schemas.files import FileDeleted, FileObject
-from nightshift.jobs import files as file_service
-from nightshift.jobs.models import File
+from nightshift.jobs.files import service as file_service
+from nightshift.jobs.files import uploads
+from nightshift.jobs.files.models import File
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -40,11 +41,11 @@ async def upload_file(caller: CallerDep, store: StoreDep, settings: SettingsDep,
                            param="expires_after.seconds", code="invalid_value")
     project_id = await caller.read(lambda _, project: project)   # a bad key is refused before the upload
     # The upload streams into the object store with no database connection held.
-    upload = await run_in_threadpool(file_service.store_upload, store, settings,
+    upload = await run_in_threadpool(uploads.store_upload, store, settings,
                                      filename=file.filename or "upload.jsonl", purpose=purpose, source=file.file)
     try:
-        row = await caller.database.run(lambda session: file_service.record_file(session, project_id, upload,
-                                                                                 expires_after_seconds))
+        row = await caller.database.run(lambda session: uploads.record_file(session, project_id, upload,
+                                                                            expires_after_seconds))
     except BaseException:
         await run_in_threadpool(store.delete, upload.object_key)
         raise

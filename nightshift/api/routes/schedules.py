@@ -1,4 +1,4 @@
-"""/v1/schedules (issue 6): CRUD, pause/resume, runs. A key sees only its project's schedules."""
+"""/v1/schedules: CRUD, pause/resume, runs. A key sees only its project's schedules."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,9 +10,9 @@ from nightshift.api.deps import CallerDep, SettingsDep
 from nightshift.api.schemas.common import ListPage
 from nightshift.api.schemas.schedules import (ScheduleCreate, ScheduleDeleted, ScheduleObject, ScheduleRunObject,
                                    ScheduleUpdate)
-from nightshift.jobs import schedules
 from nightshift.jobs.errors import InvalidInput
-from nightshift.jobs.schedule_models import Schedule, ScheduleRun, ScheduleStatus
+from nightshift.jobs.schedules import service as schedules
+from nightshift.jobs.schedules.models import Schedule, ScheduleRun, ScheduleStatus
 from nightshift.settings import Settings
 
 router = APIRouter(prefix="/v1/schedules", tags=["schedules"])

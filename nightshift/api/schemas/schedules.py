@@ -1,4 +1,4 @@
-"""Schemas of /v1/schedules (issue 6)."""
+"""Schemas of /v1/schedules."""
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union

@@ -1,4 +1,4 @@
-"""schedules, schedule runs (unique run key per due time) and indexed documents (issue 6)
+"""schedules, schedule runs (unique run key per due time) and indexed documents
 
 Revision ID: 0002
 Revises: 0001

@@ -5,21 +5,10 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 from html import escape
-from typing import Optional
+
+from nightshift.jobs.costs.formatting import DEVICE_COLUMNS, device_rows, key_figures, money, number
 
 WIDTH, HEIGHT, PAD = 720, 260, 48
-
-
-def _money(value: Optional[float]) -> str:
-    if value is None:
-        return "–"
-    return f"${value:,.6f}" if abs(value) < 0.01 else f"${value:,.4f}"
-
-
-def _num(value) -> str:  # noqa: ANN001
-    if value is None:
-        return "–"
-    return f"{value:,.3f}" if isinstance(value, float) else f"{value:,}"
 
 
 def _chart(timeline: list[dict]) -> str:
@@ -39,7 +28,7 @@ def _chart(timeline: list[dict]) -> str:
     for i, (t, n) in enumerate(zip(timeline, tokens)):
         h = inner_h * n / max_tokens
         parts.append(f'<rect x="{PAD + i * step + 1:.1f}" y="{HEIGHT - PAD - h:.1f}" width="{max(step - 2, 1):.1f}" '
-                     f'height="{h:.1f}" fill="#7aa6d8"><title>{_num(n)} tokens, {t["requests"]} requests'
+                     f'height="{h:.1f}" fill="#7aa6d8"><title>{number(n)} tokens, {t["requests"]} requests'
                      f'</title></rect>')
     points = " ".join(f"{PAD + (i + 0.5) * step:.1f},{HEIGHT - PAD - inner_h * c / max_usd:.1f}"
                       for i, c in enumerate(cumulative))
@@ -49,33 +38,20 @@ def _chart(timeline: list[dict]) -> str:
     parts += [f'<text x="{PAD}" y="{HEIGHT - PAD + 18}" font-size="12">{start} UTC</text>',
               f'<text x="{WIDTH - PAD}" y="{HEIGHT - PAD + 18}" font-size="12" text-anchor="end">{end} UTC</text>',
               f'<text x="{PAD}" y="{PAD - 10}" font-size="12" fill="#3b6ea5">bars: tokens per interval '
-              f'(max {_num(max_tokens)})</text>',
+              f'(max {number(max_tokens)})</text>',
               f'<text x="{WIDTH - PAD}" y="{PAD - 10}" font-size="12" fill="#d8572a" text-anchor="end">'
-              f'line: cumulative cost ({_money(cumulative[-1])})</text>', "</svg>"]
+              f'line: cumulative cost ({money(cumulative[-1])})</text>', "</svg>"]
     return "\n".join(parts)
 
 
+def _cells(tag: str, values) -> str:  # noqa: ANN001
+    return "".join(f"<{tag}>{escape(v)}</{tag}>" for v in values)
+
+
 def render_cost_page(report: dict) -> str:
-    tokens, cost, savings = report["tokens"], report["cost"], report["savings"]
-    rows = [
-        ("Status", escape(str(report.get("status")))),
-        ("Requests", f'{report["requests"]["total"]:,} ({report["requests"]["completed"]:,} completed, '
-                     f'{report["requests"]["failed"]:,} failed)'),
-        ("Prompt tokens", f'{_num(tokens["prompt_tokens"])} ({_num(tokens["cached_prompt_tokens"])} from the prefix cache)'),
-        ("Completion tokens", _num(tokens["completion_tokens"])),
-        ("Engine seconds", _num(report["engine_seconds"])),
-        ("Cost", _money(cost["usd"])),
-        ("$ / 1M input tokens", _money(cost["usd_per_1m_input_tokens"])),
-        ("$ / 1M output tokens", _money(cost["usd_per_1m_output_tokens"])),
-        ("Cache savings (list price)", _money(savings["cache_usd"])),
-        ("Online list price", _money(savings["online_list_usd"])),
-        ("Savings vs online", _money(savings["vs_online_list_usd"])
-         + (f' ({savings["vs_online_list_pct"]:.1f}%)' if savings["vs_online_list_pct"] is not None else "")),
-    ]
-    devices = "".join(f"<tr><td>{escape(d['device'])}</td><td>{d['requests']:,}</td>"
-                      f"<td>{_num(d['engine_seconds'])}</td><td>{_money(d['usd_per_hour'])}/h</td>"
-                      f"<td>{_money(d['usd'])}</td></tr>" for d in report["by_device"])
-    table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
+    rows = [("Status", str(report.get("status")))] + key_figures(report)
+    table = "".join(f"<tr><th>{escape(k.strip())}</th><td>{escape(v)}</td></tr>" for k, v in rows)
+    devices = "".join(f"<tr>{_cells('td', row)}</tr>" for row in device_rows(report))
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>Cost of {escape(report['batch_id'])}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;color:#222}}table{{border-collapse:collapse;margin:1em 0}}
@@ -85,6 +61,6 @@ th,td{{text-align:left;padding:4px 12px;border-bottom:1px solid #ddd}}th{{font-w
 {_chart(report.get("timeline") or [])}
 <table>{table}</table>
 <h2>By device</h2>
-<table><tr><th>Device</th><th>Requests</th><th>Engine s</th><th>Price</th><th>Cost</th></tr>{devices}</table>
+<table><tr>{_cells('th', DEVICE_COLUMNS)}</tr>{devices}</table>
 </body></html>
 """

@@ -12,7 +12,8 @@ from typing import Any, Iterable, Optional
 
 import orjson
 
-SUPPORTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+from nightshift.jobs.batches.openai_mapping import CHAT
+
 MAX_ERRORS = 1000  # entries kept on the batch object; the count of the rest is reported
 
 
@@ -56,11 +57,11 @@ def _missing(name: str, line: int, result: ValidationResult) -> None:
 def _check_body(body: dict[str, Any], endpoint: str, line: int, result: ValidationResult) -> bool:
     ok = True
     if body.get("stream"):
-        kind = "Chat Completions" if endpoint == "/v1/chat/completions" else "Completions"
+        kind = "Chat Completions" if endpoint == CHAT else "Completions"
         result.add_error("streaming_unsupported", f"{kind}: Streaming is not supported in the Batch API.",
                          "body.stream", line)
         ok = False
-    if endpoint == "/v1/chat/completions":
+    if endpoint == CHAT:
         messages = body.get("messages")
         if messages is None:
             result.add_error("invalid_request", "Messages parameter is required.", "body.messages", line)

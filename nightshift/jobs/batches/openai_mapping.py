@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT, COMPLETIONS)
 
 
 class RequestBodyError(ValueError):

@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from nightshift.jobs.ids import new_id
-from nightshift.jobs.models import ApiKey, Project
+from nightshift.jobs.projects.models import ApiKey, Project
 
 KEY_PREFIX = "ns-"
 

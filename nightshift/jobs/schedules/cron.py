@@ -6,6 +6,8 @@ values in and out are timezone-aware UTC datetimes.
 
 Catch-up rule: when the service was down over several due times, only the latest one that
 has passed fires (once); the older missed ones are skipped.
+
+The rows store Unix seconds; ``utc`` and ``next_due_at`` convert at that boundary.
 """
 from __future__ import annotations
 
@@ -75,3 +77,13 @@ def due_time_to_fire(expression: str, timezone_name: str, *, fire_after: datetim
         return None
     due = latest_due_at_or_before(expression, timezone_name, now)
     return due if due > fire_after else None
+
+
+def utc(ts: float) -> datetime:
+    """Unix seconds as an aware UTC datetime."""
+    return datetime.fromtimestamp(ts, timezone.utc)
+
+
+def next_due_at(expression: str, timezone_name: str, after: float) -> float:
+    """``next_due_after`` in Unix seconds."""
+    return next_due_after(expression, timezone_name, utc(after)).timestamp()

@@ -1,37 +1,20 @@
-"""SQLAlchemy 2 models: projects, api_keys, files, batches, shards, requests.
+"""Tables of a batch: the batch, its shards (units of engine work, leased by one worker at a
+time) and one request row per input line.
 
-Times are Unix seconds (float) everywhere: the API speaks Unix seconds and the same column
-works on Postgres and SQLite. Counters that change while a batch runs live on the shard
-rows (only the lease holder writes them, so no hot batch row); batch totals are sums.
-Schema changes go through a new Alembic revision in migrations/versions/.
+Counters that change while a batch runs live on the shard rows (only the lease holder writes
+them, so there is no hot batch row); batch totals are sums over its shards.
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
-from sqlalchemy import (JSON, BigInteger, Float, ForeignKey, Index, Integer, MetaData, String,
-                        Text, UniqueConstraint)
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy import (JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text,
+                        UniqueConstraint)
+from sqlalchemy.orm import Mapped, mapped_column, relationship
 
-NAMING_CONVENTION = {
-    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
-
-# BIGINT primary keys autoincrement on Postgres; SQLite only autoincrements "INTEGER PRIMARY KEY".
-BigIntPK = BigInteger().with_variant(Integer(), "sqlite")
-
-
-def now() -> float:
-    return time.time()
-
-
-class Base(DeclarativeBase):
-    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+from nightshift.jobs.files.models import File
+from nightshift.jobs.orm import Base, BigIntPK, now
+from nightshift.jobs.projects.models import Project
 
 
 class BatchStatus:
@@ -44,7 +27,6 @@ class BatchStatus:
     CANCELLING = "cancelling"
     CANCELLED = "cancelled"
     TERMINAL = (FAILED, COMPLETED, EXPIRED, CANCELLED)
-    ALL = (VALIDATING, FAILED, IN_PROGRESS, FINALIZING, COMPLETED, EXPIRED, CANCELLING, CANCELLED)
 
 
 class ShardStatus:
@@ -61,46 +43,11 @@ class RequestStatus:
     FAILED = "failed"          # rejected by the model (400 response) or never run (error) -> error file
 
 
-class Project(Base):
-    __tablename__ = "projects"
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    name: Mapped[str] = mapped_column(String(200), unique=True)
-    created_at: Mapped[float] = mapped_column(Float, default=now)
-
-
-class ApiKey(Base):
-    __tablename__ = "api_keys"
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
-    key_hash: Mapped[str] = mapped_column(String(128), unique=True)   # sha256 hex of the secret
-    key_prefix: Mapped[str] = mapped_column(String(32))              # first characters, for display
-    name: Mapped[Optional[str]] = mapped_column(String(200))
-    created_at: Mapped[float] = mapped_column(Float, default=now)
-    last_used_at: Mapped[Optional[float]] = mapped_column(Float)
-    revoked_at: Mapped[Optional[float]] = mapped_column(Float)
-
-
-class File(Base):
-    __tablename__ = "files"
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"), index=True)
-    filename: Mapped[str] = mapped_column(String(512))
-    purpose: Mapped[str] = mapped_column(String(32))                 # batch | batch_output | ...
-    bytes: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
-    object_key: Mapped[str] = mapped_column(String(1024))
-    status: Mapped[str] = mapped_column(String(16), default="processed")  # uploaded | processed | error
-    status_details: Mapped[Optional[str]] = mapped_column(Text)
-    line_count: Mapped[Optional[int]] = mapped_column(Integer)
-    created_at: Mapped[float] = mapped_column(Float, default=now, index=True)
-    expires_at: Mapped[Optional[float]] = mapped_column(Float)
-    deleted_at: Mapped[Optional[float]] = mapped_column(Float)
-
-
 class Batch(Base):
     __tablename__ = "batches"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
-    input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    project_id: Mapped[str] = mapped_column(ForeignKey(Project.id, ondelete="CASCADE"))
+    input_file_id: Mapped[str] = mapped_column(ForeignKey(File.id))
     endpoint: Mapped[str] = mapped_column(String(64))
     completion_window: Mapped[str] = mapped_column(String(16), default="24h")
     status: Mapped[str] = mapped_column(String(16), default=BatchStatus.VALIDATING, index=True)
@@ -136,7 +83,7 @@ class Batch(Base):
 class Shard(Base):
     __tablename__ = "shards"
     id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
-    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    batch_id: Mapped[str] = mapped_column(ForeignKey(Batch.id, ondelete="CASCADE"))
     seq: Mapped[int] = mapped_column(Integer)                        # order within the batch
     status: Mapped[str] = mapped_column(String(16), default=ShardStatus.PENDING)
     num_requests: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -176,8 +123,8 @@ class Request(Base):
 
     __tablename__ = "requests"
     id: Mapped[int] = mapped_column(BigIntPK, primary_key=True, autoincrement=True)
-    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
-    shard_id: Mapped[Optional[int]] = mapped_column(ForeignKey("shards.id", ondelete="SET NULL"))
+    batch_id: Mapped[str] = mapped_column(ForeignKey(Batch.id, ondelete="CASCADE"))
+    shard_id: Mapped[Optional[int]] = mapped_column(ForeignKey(Shard.id, ondelete="SET NULL"))
     line: Mapped[int] = mapped_column(Integer)                       # 1-based line in the input file
     custom_id: Mapped[str] = mapped_column(String(512))
     body: Mapped[dict[str, Any]] = mapped_column(JSON)
@@ -192,7 +139,7 @@ class Request(Base):
     error_message: Mapped[Optional[str]] = mapped_column(Text)
     finish_reason: Mapped[Optional[str]] = mapped_column(String(16))
 
-    # Accounting (issue 6 reads these)
+    # Accounting: what this request consumed, written once with its result (cost reports sum these)
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -210,8 +157,3 @@ class Request(Base):
         Index("ix_requests_batch_id_line", "batch_id", "line"),
         Index("ix_requests_shard_id_status", "shard_id", "status"),
     )
-
-
-REQUEST_COPY_COLUMNS = ("batch_id", "shard_id", "line", "custom_id", "body", "prompt_token_ids",
-                        "max_tokens", "status", "prompt_tokens", "cached_tokens", "completion_tokens",
-                        "engine_seconds", "queued_at")

@@ -1,5 +1,5 @@
-"""Cost reports from the database: per batch (cost.json + cost.csv at finalize, or live while
-running) and per project per day.
+"""A batch's cost report from its request rows: cost.json + cost.csv stored at finalize, or a
+live report while it runs.
 
 The numbers are sums over `requests` rows. A request row is written once by the shard
 attempt that holds the lease (a re-run shard skips answered rows), so re-running a shard or
@@ -8,32 +8,23 @@ two objects under the same two file ids.
 """
 from __future__ import annotations
 
-import math
-from datetime import datetime, timezone
 from typing import Optional
 
 import orjson
-from sqlalchemy import Integer, cast, func, select
+from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from nightshift.jobs.costs import Prices, RequestUsage, build_cost_report, cost_csv, online_cost_usd
+from nightshift.jobs.batches.models import Batch, BatchStatus, Request
+from nightshift.jobs.costs.accounting import RequestUsage, prices_from_settings
+from nightshift.jobs.costs.cost_report import build_cost_report, cost_csv
+from nightshift.jobs.files.models import File
 from nightshift.jobs.ids import derived_id
-from nightshift.jobs.models import Batch, BatchStatus, File, Request
-from nightshift.settings import Settings, get_settings
+from nightshift.settings import Settings
 from nightshift.storage.objectstore import ObjectStore
 
 COST_JSON = "cost.json"
 COST_CSV = "cost.csv"
-DAY = 86_400
-
-
-def prices_from_settings(settings: Optional[Settings] = None) -> Prices:
-    settings = settings or get_settings()
-    return Prices(instance_usd_per_hour=dict(settings.instance_usd_per_hour),
-                  online_input_usd_per_1m=settings.online_input_usd_per_1m,
-                  online_cached_input_usd_per_1m=settings.online_cached_input_usd_per_1m,
-                  online_output_usd_per_1m=settings.online_output_usd_per_1m)
 
 
 def load_usages(session: Session, batch_id: str) -> list[RequestUsage]:
@@ -65,8 +56,7 @@ def cost_object_key(batch_id: str, name: str) -> str:
     return f"batches/{batch_id}/{name}"
 
 
-def live_cost_report(session: Session, batch: Batch, settings: Optional[Settings] = None,
-                     now: Optional[float] = None) -> dict:
+def live_cost_report(session: Session, batch: Batch, settings: Settings, now: Optional[float] = None) -> dict:
     usages = load_usages(session, batch.id)
     report = build_cost_report(usages, prices_from_settings(settings), batch_id=batch.id,
                                model=batch.model, status=batch.status, generated_at=now)
@@ -87,8 +77,8 @@ def _upsert_file(session: Session, *, file_id: str, batch: Batch, filename: str,
                                                set_={"bytes": size, "object_key": key}))
 
 
-def write_cost_files(session: Session, store: ObjectStore, batch: Batch, *,
-                     settings: Optional[Settings] = None, now: float) -> dict:
+def write_cost_files(session: Session, store: ObjectStore, batch: Batch, *, settings: Settings,
+                     now: float) -> dict:
     """Write cost.json and cost.csv for a batch and register them as files (idempotent).
     Returns the report (with its file ids)."""
     prices = prices_from_settings(settings)
@@ -120,65 +110,3 @@ def read_cost_report(store: ObjectStore, key: str) -> Optional[dict]:
         return orjson.loads(b"".join(store.get_stream(key)))
     except KeyError:
         return None
-
-
-# --- per project per day ----------------------------------------------------------------------
-
-def _day_expr(session: Session):
-    # floor(finished_at / 86400): Postgres casts by rounding, SQLite by truncating
-    if session.get_bind().dialect.name == "postgresql":
-        return cast(func.floor(Request.finished_at / DAY), Integer)
-    return cast(Request.finished_at / DAY, Integer)
-
-
-def costs_by_day(session: Session, project_id: str, *, start: float, end: float,
-                 settings: Optional[Settings] = None) -> dict:
-    """Cost of the project's answered requests that finished in [start, end), per UTC day
-    (never-run lines of cancelled/expired batches consumed nothing and are left out)."""
-    prices = prices_from_settings(settings)
-    day = _day_expr(session).label("day")
-    rows = session.execute(
-        select(day, Request.device, func.count().label("requests"),
-               func.coalesce(func.sum(Request.prompt_tokens), 0).label("prompt_tokens"),
-               func.coalesce(func.sum(Request.cached_tokens), 0).label("cached_tokens"),
-               func.coalesce(func.sum(Request.completion_tokens), 0).label("completion_tokens"),
-               func.coalesce(func.sum(Request.engine_seconds), 0.0).label("engine_seconds"))
-        .join(Batch, Batch.id == Request.batch_id)
-        .where(Batch.project_id == project_id, Request.response_status_code.is_not(None),
-               Request.finished_at >= start, Request.finished_at < end)
-        .group_by(day, Request.device).order_by(day)).all()
-    days: dict[int, dict] = {}
-    batches_per_day = dict(session.execute(
-        select(day, func.count(func.distinct(Request.batch_id)))
-        .join(Batch, Batch.id == Request.batch_id)
-        .where(Batch.project_id == project_id, Request.response_status_code.is_not(None),
-               Request.finished_at >= start, Request.finished_at < end)
-        .group_by(day)).all())
-    for r in rows:
-        entry = days.setdefault(int(r.day), {
-            "date": datetime.fromtimestamp(int(r.day) * DAY, timezone.utc).date().isoformat(),
-            "project_id": project_id, "batches": batches_per_day.get(r.day, 0), "requests": 0,
-            "prompt_tokens": 0, "cached_prompt_tokens": 0, "completion_tokens": 0,
-            "engine_seconds": [], "cost_usd": []})
-        entry["requests"] += r.requests
-        entry["prompt_tokens"] += int(r.prompt_tokens)
-        entry["cached_prompt_tokens"] += int(r.cached_tokens)
-        entry["completion_tokens"] += int(r.completion_tokens)
-        entry["engine_seconds"].append(float(r.engine_seconds))
-        price = prices.hourly_price(r.device)
-        if r.engine_seconds and price is not None:
-            entry["cost_usd"].append(float(r.engine_seconds) * price / 3600.0)
-    data = []
-    for entry in days.values():
-        entry["engine_seconds"] = math.fsum(entry["engine_seconds"])
-        entry["cost_usd"] = math.fsum(entry["cost_usd"])
-        entry["online_list_usd"] = online_cost_usd(entry["prompt_tokens"], entry["cached_prompt_tokens"],
-                                                   entry["completion_tokens"], prices)
-        entry["savings_vs_online_list_usd"] = entry["online_list_usd"] - entry["cost_usd"]
-        data.append(entry)
-    totals = {key: sum(d[key] for d in data) for key in
-              ("requests", "prompt_tokens", "cached_prompt_tokens", "completion_tokens")}
-    for key in ("engine_seconds", "cost_usd", "online_list_usd", "savings_vs_online_list_usd"):
-        totals[key] = math.fsum(d[key] for d in data)
-    return {"object": "list", "project_id": project_id, "from": start, "to": end,
-            "currency": "USD", "data": data, "total": totals}

@@ -1,6 +1,6 @@
 """What the API asks of batches: create (status validating; the caller commits, then sends
-the ingest wake-up), get and list within a project, and cancel requests. State transitions
-themselves live in jobs/batches.py."""
+the ingest wake-up), get and list within a project, and cancel requests. The transitions
+themselves are in ``nightshift.jobs.batches.lifecycle``."""
 from __future__ import annotations
 
 import time
@@ -9,14 +9,14 @@ from typing import Optional
 from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
-from nightshift.jobs.batches import InvalidTransition, request_cancel
+from nightshift.jobs.batches.lifecycle import InvalidTransition, request_cancel
+from nightshift.jobs.batches.models import Batch, BatchStatus
+from nightshift.jobs.batches.openai_mapping import ENDPOINTS
 from nightshift.jobs.errors import Conflict, InvalidInput, NotFound
-from nightshift.jobs.files import get_file
+from nightshift.jobs.files.service import get_file
 from nightshift.jobs.ids import new_id
-from nightshift.jobs.models import Batch, BatchStatus
 from nightshift.settings import Settings
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS = ("24h",)   # its length is settings.completion_window_seconds
 
 

@@ -1,36 +1,26 @@
-"""Schedules: CRUD, pause/resume, and firing due schedules exactly once per due time.
-
-Firing is safe with two beat processes and across restarts, for two independent reasons:
-  1. each schedule is fired in its own transaction holding its row lock
-     (`SELECT … FOR UPDATE SKIP LOCKED` on Postgres; SQLite's `BEGIN IMMEDIATE` serializes
-     writers), so a second firer skips it or sees it already advanced;
-  2. the run row's unique key (schedule_id, due_at) is inserted with ON CONFLICT DO NOTHING:
-     whoever inserts it owns the run, even a firer working from stale state.
-Missed due times (service down) collapse into one run for the latest of them (nightshift.jobs.cron).
+"""Schedules as the API manages them: create (validated), update, pause/resume, delete, get,
+list, and list a schedule's runs. Firing is in ``firing``; a run's life in ``runs``.
 
 All functions take `now` (Unix seconds) from the caller, so tests drive a fake clock.
 """
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from sqlalchemy import and_, or_, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from nightshift.jobs.batches.openai_mapping import ENDPOINTS
 from nightshift.jobs.errors import Conflict, NotFound
-from nightshift.jobs.cron import InvalidScheduleError, due_time_to_fire, next_due_after, validate_cron
+from nightshift.jobs.files.models import File
 from nightshift.jobs.ids import new_id
-from nightshift.jobs.models import File
-from nightshift.jobs.reindex import TemplateRenderError, check_prompt_template, normalize_prefix
-from nightshift.jobs.schedule_models import RunStatus, Schedule, ScheduleRun, ScheduleStatus
+from nightshift.jobs.schedules.cron import InvalidScheduleError, next_due_at, validate_cron
+from nightshift.jobs.schedules.models import Schedule, ScheduleRun, ScheduleStatus
+from nightshift.jobs.schedules.reindex import TemplateRenderError, check_prompt_template, normalize_prefix
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # documents: every object is one document (rendered by prompt_template);
 # jsonl: every line of every .jsonl object is one complete request, keyed by custom_id
 SOURCE_FORMATS = ("documents", "jsonl")
-SessionFactory = Callable[[], Session]
 
 
 class ScheduleNotFound(NotFound):
@@ -40,14 +30,6 @@ class ScheduleNotFound(NotFound):
 
 class ScheduleConflict(Conflict):
     pass
-
-
-def _utc(ts: float) -> datetime:
-    return datetime.fromtimestamp(ts, timezone.utc)
-
-
-def _next_due(cron: str, tz: str, after: float) -> float:
-    return next_due_after(cron, tz, _utc(after)).timestamp()
 
 
 def _check_source(session: Session, project_id: str, source: Any,
@@ -125,7 +107,7 @@ def create_schedule(session: Session, *, project_id: str, name: str, cron: str,
         prompt_template=prompt_template,
         index_prefix=normalize_prefix(index_prefix or f"index/{schedule_id}/"),
         completion_window=completion_window, metadata_=metadata,
-        fire_after=now, next_due_at=_next_due(cron, timezone_name, now),
+        fire_after=now, next_due_at=next_due_at(cron, timezone_name, now),
         created_at=now, updated_at=now)
     session.add(schedule)
     session.flush()
@@ -162,7 +144,7 @@ def update_schedule(session: Session, schedule: Schedule, changes: dict, *, now:
     # a new cron or timezone counts from now: no retroactive firing
     if "cron" in changes or "timezone" in changes:
         schedule.fire_after = max(schedule.fire_after, now)
-    schedule.next_due_at = _next_due(schedule.cron, schedule.timezone, schedule.fire_after)
+    schedule.next_due_at = next_due_at(schedule.cron, schedule.timezone, schedule.fire_after)
     schedule.updated_at = now
     session.flush()
     return schedule
@@ -180,7 +162,7 @@ def resume_schedule(session: Session, schedule: Schedule, *, now: float) -> Sche
     if schedule.status != ScheduleStatus.ACTIVE:
         schedule.status = ScheduleStatus.ACTIVE
         schedule.fire_after = max(schedule.fire_after, now)
-        schedule.next_due_at = _next_due(schedule.cron, schedule.timezone, schedule.fire_after)
+        schedule.next_due_at = next_due_at(schedule.cron, schedule.timezone, schedule.fire_after)
         schedule.updated_at = now
         session.flush()
     return schedule
@@ -214,70 +196,3 @@ def list_schedules(session: Session, project_id: str, *, after: Optional[str] = 
 def list_runs(session: Session, schedule: Schedule, *, limit: int = 100) -> list[ScheduleRun]:
     return list(session.scalars(select(ScheduleRun).where(ScheduleRun.schedule_id == schedule.id)
                                 .order_by(ScheduleRun.due_at.desc()).limit(limit)))
-
-
-# --- firing ---------------------------------------------------------------------------------
-
-def _insert_run_if_absent(session: Session, values: dict) -> bool:
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    stmt = insert(ScheduleRun).values(**values).on_conflict_do_nothing(
-        index_elements=["schedule_id", "due_at"]).returning(ScheduleRun.id)
-    return session.execute(stmt).scalar() is not None
-
-
-def fire_schedule(session_factory: SessionFactory, schedule_id: str, now: float) -> Optional[str]:
-    """Fire one schedule if a due time has come and nobody fired it; returns the new run's id.
-
-    The run is PENDING (its batch is created by `nightshift.jobs.schedule_runs.start_run`), or SKIPPED
-    when the schedule's previous run is still going.
-    """
-    with session_factory() as session, session.begin():
-        schedule = session.scalars(
-            select(Schedule).where(Schedule.id == schedule_id,
-                                   Schedule.status == ScheduleStatus.ACTIVE,
-                                   Schedule.next_due_at <= now)
-            .with_for_update(skip_locked=True)).first()
-        if schedule is None:
-            return None   # not due, paused, or another firer holds its lock right now
-        due = due_time_to_fire(schedule.cron, schedule.timezone,
-                               fire_after=_utc(schedule.fire_after), now=_utc(now))
-        if due is None:
-            schedule.next_due_at = _next_due(schedule.cron, schedule.timezone, schedule.fire_after)
-            return None
-        due_at = due.timestamp()
-        busy = session.scalar(select(ScheduleRun.id).where(
-            ScheduleRun.schedule_id == schedule.id, ScheduleRun.status.in_(RunStatus.ACTIVE)).limit(1))
-        run_id = new_id("schedrun_")
-        inserted = _insert_run_if_absent(session, {
-            "id": run_id, "schedule_id": schedule.id, "due_at": due_at, "fired_at": now,
-            "status": RunStatus.SKIPPED if busy else RunStatus.PENDING,
-            "error": f"previous run {busy} was still active" if busy else None,
-            "finished_at": now if busy else None,
-            "documents_total": 0, "documents_selected": 0, "documents_indexed": 0,
-            "documents_failed": 0, "documents_removed": 0,
-        })
-        schedule.fire_after = max(schedule.fire_after, due_at)
-        schedule.next_due_at = _next_due(schedule.cron, schedule.timezone, schedule.fire_after)
-        return run_id if inserted and not busy else None
-
-
-def fire_due_schedules(session_factory: SessionFactory, now: float) -> list[str]:
-    """Fire every active schedule that is due at `now`; returns the ids of new PENDING runs."""
-    with session_factory() as session:
-        due_ids = session.scalars(
-            select(Schedule.id).where(Schedule.status == ScheduleStatus.ACTIVE,
-                                      Schedule.next_due_at <= now)
-            .order_by(Schedule.next_due_at)).all()
-    fired = []
-    for schedule_id in due_ids:
-        run_id = fire_schedule(session_factory, schedule_id, now)
-        if run_id:
-            fired.append(run_id)
-    return fired
-
-
-def stale_pending_runs(session: Session, now: float, older_than: float) -> list[str]:
-    """PENDING runs whose start message was probably lost (re-sent by the beat tick)."""
-    return list(session.scalars(select(ScheduleRun.id).where(
-        ScheduleRun.status == RunStatus.PENDING, ScheduleRun.fired_at <= now - older_than)))

@@ -1,7 +1,7 @@
-"""SQLAlchemy models of schedules (issue 6): schedules, their runs, and indexed documents.
+"""Tables of schedules: schedules, their runs, and the documents each has indexed.
 
-Times are Unix seconds (float), like jobs/models.py. Exactly-once firing rests on the
-unique key (schedule_id, due_at) of schedule_runs: whoever inserts the row owns the run.
+Exactly-once firing rests on the unique key (schedule_id, due_at) of schedule_runs: whoever
+inserts the row owns the run.
 """
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from typing import Any, Optional
 from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from nightshift.jobs.models import Base, now
+from nightshift.jobs.batches.models import Batch
+from nightshift.jobs.orm import Base, now
+from nightshift.jobs.projects.models import Project
 
 
 class ScheduleStatus:
     ACTIVE = "active"
     PAUSED = "paused"
-    ALL = (ACTIVE, PAUSED)
 
 
 class RunStatus:
@@ -31,7 +32,7 @@ class RunStatus:
 class Schedule(Base):
     __tablename__ = "schedules"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    project_id: Mapped[str] = mapped_column(ForeignKey("projects.id", ondelete="CASCADE"))
+    project_id: Mapped[str] = mapped_column(ForeignKey(Project.id, ondelete="CASCADE"))
     name: Mapped[str] = mapped_column(String(200))
     cron: Mapped[str] = mapped_column(String(120))
     timezone: Mapped[str] = mapped_column(String(64), default="UTC")
@@ -61,12 +62,11 @@ class Schedule(Base):
 class ScheduleRun(Base):
     __tablename__ = "schedule_runs"
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    schedule_id: Mapped[str] = mapped_column(ForeignKey("schedules.id", ondelete="CASCADE"))
+    schedule_id: Mapped[str] = mapped_column(ForeignKey(Schedule.id, ondelete="CASCADE"))
     due_at: Mapped[float] = mapped_column(Float)
     fired_at: Mapped[float] = mapped_column(Float, default=now)
     status: Mapped[str] = mapped_column(String(16), default=RunStatus.PENDING)
-    batch_id: Mapped[Optional[str]] = mapped_column(
-        ForeignKey("batches.id", ondelete="SET NULL"), index=True)
+    batch_id: Mapped[Optional[str]] = mapped_column(ForeignKey(Batch.id, ondelete="SET NULL"), index=True)
     input_file_id: Mapped[Optional[str]] = mapped_column(String(64))
     documents_total: Mapped[int] = mapped_column(Integer, default=0)
     documents_selected: Mapped[int] = mapped_column(Integer, default=0)
@@ -89,8 +89,7 @@ class IndexedDocument(Base):
     """The last successfully indexed content of each document of a schedule."""
 
     __tablename__ = "indexed_documents"
-    schedule_id: Mapped[str] = mapped_column(
-        ForeignKey("schedules.id", ondelete="CASCADE"), primary_key=True)
+    schedule_id: Mapped[str] = mapped_column(ForeignKey(Schedule.id, ondelete="CASCADE"), primary_key=True)
     doc_key: Mapped[str] = mapped_column(String(1024), primary_key=True)
     sha256: Mapped[str] = mapped_column(String(64))
     output_key: Mapped[str] = mapped_column(String(1024))

@@ -1,4 +1,4 @@
-"""Batch state machine (DESIGN §4): guarded transitions, draining unrun requests, progress.
+"""Batch state machine (DESIGN §4): guarded transitions and draining unrun requests.
 
 Every transition is a conditional UPDATE on the current status, so two processes doing
 the same step (a duplicated message, the reconciler racing a worker) cannot both win.
@@ -6,13 +6,12 @@ the same step (a duplicated message, the reconciler racing a worker) cannot both
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import Session
 
-from nightshift.jobs.models import Batch, BatchStatus, Request, RequestStatus, Shard, ShardStatus
+from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus, Shard, ShardStatus
 
 CANCELLABLE = (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS)
 DRAIN_MESSAGES = {
@@ -116,6 +115,11 @@ def due_for_expiry(s: Session, now: Optional[float] = None) -> list[str]:
                                                  Batch.expires_at < now)))
 
 
+def batch_status(s: Session, batch_id: str) -> str:
+    """The batch's status as committed or as this transaction changed it."""
+    return s.get(Batch, batch_id, populate_existing=True).status
+
+
 def final_status(batch: Batch) -> str:
     """The terminal status finalize moves a batch to."""
     if batch.cancelling_at is not None:
@@ -123,61 +127,3 @@ def final_status(batch: Batch) -> str:
     if batch.expired_at is not None:
         return BatchStatus.EXPIRED
     return BatchStatus.COMPLETED
-
-
-# --- progress -------------------------------------------------------------------------
-
-@dataclass
-class BatchProgress:
-    total: int = 0
-    completed: int = 0
-    failed: int = 0
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    engine_seconds: float = 0.0
-    planned_tokens: int = 0
-    eta_seconds: Optional[float] = None
-    extra: dict = field(default_factory=dict)
-
-    def request_counts(self) -> dict:
-        return {"total": self.total, "completed": self.completed, "failed": self.failed}
-
-    def usage(self) -> dict:
-        return {"input_tokens": self.input_tokens, "input_tokens_details": {"cached_tokens": self.cached_tokens},
-                "output_tokens": self.output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.input_tokens + self.output_tokens}
-
-    def progress(self) -> dict:
-        """Our extension field on the batch object."""
-        done = self.completed + self.failed
-        return {"requests_done": done, "tokens_done": self.input_tokens + self.output_tokens,
-                "tokens_planned": self.planned_tokens, "cached_tokens": self.cached_tokens,
-                "fraction": (done / self.total) if self.total else 0.0, "eta_seconds": self.eta_seconds}
-
-
-def batch_progress(s: Session, batches: list[Batch], now: Optional[float] = None) -> dict[str, BatchProgress]:
-    """request_counts, usage and progress for several batches in one query (sums over shard rows)."""
-    now = time.time() if now is None else now
-    ids = [b.id for b in batches]
-    out = {b.id: BatchProgress(total=b.request_total, planned_tokens=b.planned_prompt_tokens + b.planned_max_tokens)
-           for b in batches}
-    if not ids:
-        return out
-    rows = s.execute(select(Shard.batch_id, func.sum(Shard.completed_count), func.sum(Shard.failed_count),
-                            func.sum(Shard.prompt_tokens), func.sum(Shard.prefix_hit_tokens),
-                            func.sum(Shard.completion_tokens), func.sum(Shard.engine_seconds))
-                     .where(Shard.batch_id.in_(ids)).group_by(Shard.batch_id)).all()
-    for batch_id, completed, failed, prompt, cached, completion, secs in rows:
-        p = out[batch_id]
-        p.completed, p.failed = int(completed or 0), int(failed or 0)
-        p.input_tokens, p.cached_tokens, p.output_tokens = int(prompt or 0), int(cached or 0), int(completion or 0)
-        p.engine_seconds = float(secs or 0.0)
-    for b in batches:
-        p = out[b.id]
-        done = p.completed + p.failed
-        if b.status == BatchStatus.IN_PROGRESS and b.in_progress_at and 0 < done < p.total:
-            p.eta_seconds = (now - b.in_progress_at) * (p.total - done) / done
-        elif b.status in BatchStatus.TERMINAL:
-            p.eta_seconds = 0.0
-    return out

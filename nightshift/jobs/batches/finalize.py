@@ -1,0 +1,157 @@
+"""Finalize a batch: write output.jsonl and errors.jsonl (input line order) to the object
+store, register them as files with the cost report, and move the batch to its terminal status.
+
+Three steps, each in the caller's transaction (``nightshift.workers.finalize`` owns them):
+``prepare_finalize`` (drain a cancelling batch, decide the terminal status), then
+``write_result_files`` (reads the rows, writes the objects), then ``complete_finalize``.
+Idempotent: object keys and file ids are derived from the batch id, so a retried finalize
+overwrites its own objects and finds its own file rows; the last step is a conditional
+UPDATE from the status finalize started in.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator, Optional
+
+import orjson
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from nightshift.jobs.batches.lifecycle import batch_status, drain_batch, final_status
+from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus
+from nightshift.jobs.costs.batch_costs import write_cost_files
+from nightshift.jobs.files.models import File
+from nightshift.jobs.ids import batch_request_id, derived_id, response_request_id
+from nightshift.settings import Settings
+from nightshift.storage.objectstore import ObjectStore
+
+FINALIZABLE = (BatchStatus.FINALIZING, BatchStatus.CANCELLING)
+_FLUSH = 1024 * 1024
+_STAMPS = {BatchStatus.COMPLETED: "completed_at", BatchStatus.CANCELLED: "cancelled_at"}
+
+
+@dataclass(frozen=True)
+class FinalizePlan:
+    batch_id: str
+    project_id: str
+    from_status: str          # the status finalize started in (its last write is conditional on it)
+    target: str               # the terminal status it moves the batch to
+
+
+@dataclass(frozen=True)
+class ResultFiles:
+    output_key: str
+    output_bytes: int
+    output_lines: int
+    error_key: str
+    error_bytes: int
+    error_lines: int
+
+
+@dataclass
+class FinalizeOutcome:
+    status: str               # the batch's status afterwards
+    output_lines: int = 0
+    error_lines: int = 0
+
+
+def prepare_finalize(s: Session, batch_id: str, now: Optional[float] = None) -> Optional[FinalizePlan]:
+    """None if the batch is not finalizing or cancelling (nothing to do); a cancelling batch
+    has its unrun requests drained here."""
+    batch = s.get(Batch, batch_id)
+    if batch is None:
+        raise LookupError(batch_id)
+    if batch.status not in FINALIZABLE:
+        return None
+    if batch.status == BatchStatus.CANCELLING:
+        drain_batch(s, batch_id, "batch_cancelled", now)
+    return FinalizePlan(batch_id, batch.project_id, batch.status, final_status(batch))
+
+
+def result_line(row: Request) -> tuple[bool, bytes]:
+    """(is_output, JSONL line) for one terminal request, shaped like OpenAI's batch output."""
+    if row.status == RequestStatus.COMPLETED or row.response_body is not None:
+        response = {"status_code": row.response_status_code or 200, "request_id": response_request_id(row.id),
+                    "body": row.response_body}
+        obj = {"id": batch_request_id(row.id), "custom_id": row.custom_id, "response": response, "error": None}
+        return row.status == RequestStatus.COMPLETED, orjson.dumps(obj) + b"\n"
+    obj = {"id": batch_request_id(row.id), "custom_id": row.custom_id, "response": None,
+           "error": {"code": row.error_code, "message": row.error_message}}
+    return False, orjson.dumps(obj) + b"\n"
+
+
+class _Splitter:
+    """Streams the batch's rows once, feeding the output lines to the store as they come and
+    spooling the error lines to a temporary file (written to the store after)."""
+
+    def __init__(self, s: Session, batch_id: str, error_spool: BinaryIO):
+        self.s, self.batch_id, self.error_spool = s, batch_id, error_spool
+        self.output_lines = self.error_lines = 0
+
+    def output_chunks(self) -> Iterator[bytes]:
+        buf = bytearray()
+        rows = self.s.execute(select(Request).where(Request.batch_id == self.batch_id).order_by(Request.line)
+                              .execution_options(yield_per=2000)).scalars()
+        for row in rows:
+            if row.status == RequestStatus.PENDING:
+                raise RuntimeError(f"batch {self.batch_id}: request {row.custom_id!r} is still pending")
+            is_output, line = result_line(row)
+            if is_output:
+                self.output_lines += 1
+                buf += line
+                if len(buf) >= _FLUSH:
+                    yield bytes(buf)
+                    buf.clear()
+            else:
+                self.error_lines += 1
+                self.error_spool.write(line)
+        if buf:
+            yield bytes(buf)
+
+
+def write_result_files(s: Session, store: ObjectStore, batch_id: str) -> ResultFiles:
+    """Write output.jsonl and errors.jsonl from the batch's rows (every row must be terminal);
+    only reads the database."""
+    out_key, err_key = f"batches/{batch_id}/output.jsonl", f"batches/{batch_id}/errors.jsonl"
+    with tempfile.TemporaryFile() as error_spool:
+        splitter = _Splitter(s, batch_id, error_spool)
+        out_size = store.put_stream(out_key, splitter.output_chunks())
+        error_spool.seek(0)
+        err_size = store.put_stream(err_key, error_spool)
+    return ResultFiles(out_key, out_size, splitter.output_lines, err_key, err_size, splitter.error_lines)
+
+
+def complete_finalize(s: Session, store: ObjectStore, settings: Settings, plan: FinalizePlan,
+                      files: ResultFiles, now: Optional[float] = None) -> FinalizeOutcome:
+    """Move the batch from the status finalize started in to its terminal status, register the
+    result files and write the cost report. If the batch moved meanwhile (another finalize
+    won), nothing is written and the outcome carries its current status."""
+    now = time.time() if now is None else now
+    out_id = derived_id("file-", plan.batch_id, "output") if files.output_lines else None
+    err_id = derived_id("file-", plan.batch_id, "errors") if files.error_lines else None
+    values = {"status": plan.target, "output_file_id": out_id, "error_file_id": err_id}
+    if plan.target in _STAMPS:  # expired_at was stamped when the window closed
+        values[_STAMPS[plan.target]] = now
+    res = s.execute(update(Batch).where(Batch.id == plan.batch_id, Batch.status == plan.from_status)
+                    .values(**values))
+    if res.rowcount != 1:
+        return FinalizeOutcome(batch_status(s, plan.batch_id))
+    if out_id:
+        _register_file(s, out_id, plan.project_id, f"{plan.batch_id}_output.jsonl", files.output_key,
+                       files.output_bytes, files.output_lines, now)
+    if err_id:
+        _register_file(s, err_id, plan.project_id, f"{plan.batch_id}_error.jsonl", files.error_key,
+                       files.error_bytes, files.error_lines, now)
+    write_cost_files(s, store, s.get(Batch, plan.batch_id, populate_existing=True), settings=settings, now=now)
+    return FinalizeOutcome(plan.target, files.output_lines, files.error_lines)
+
+
+def _register_file(s: Session, file_id: str, project_id: str, filename: str, key: str, size: int, lines: int,
+                   now: float) -> None:
+    if s.get(File, file_id) is None:
+        s.add(File(id=file_id, project_id=project_id, filename=filename, purpose="batch_output", bytes=size,
+                   object_key=key, status="processed", line_count=lines, created_at=now))
+    else:
+        s.execute(update(File).where(File.id == file_id).values(bytes=size, line_count=lines, deleted_at=None))

@@ -1,0 +1,180 @@
+"""Ingest of a batch's input file, as steps the worker runs in order (each database step in
+its own transaction, owned by ``nightshift.workers.ingest``):
+
+1. ``ingest_source``: what to read, if the batch is still ``validating``;
+2. ``validate_input`` + ``tokenize_lines``: stream and check every line, then tokenize the
+   prompts with the model's chat template (no database);
+3. ``fail_ingest`` with the line errors, or ``plan_ingest`` (prefix-grouped shards) and
+   ``insert_requests``: one request row per line (COPY on Postgres, executemany on SQLite)
+   in the same transaction that moves the batch to ``in_progress``.
+
+Both writes are conditional on ``validating``, so a duplicated Celery message or a cancel
+that came first leaves the batch as it is.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import orjson
+from sqlalchemy import insert, update
+from sqlalchemy.orm import Session
+
+from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus, Shard
+from nightshift.jobs.batches.openai_mapping import (CHAT, RequestBodyError, chat_messages, planned_max_tokens,
+                                                    prompt_token_ids, requested_max_tokens)
+from nightshift.jobs.batches.shard_planning import PlannedShard, plan_shards
+from nightshift.jobs.batches.validation import ValidationResult, validate_lines
+from nightshift.jobs.chat_prompts import ChatPromptRenderer, SegmentEncoder
+from nightshift.jobs.files.models import File
+from nightshift.settings import Settings
+from nightshift.storage.objectstore import ObjectStore, iter_lines
+
+# The order of the values in each row given to insert_requests' COPY.
+REQUEST_COPY_COLUMNS = ("batch_id", "shard_id", "line", "custom_id", "body", "prompt_token_ids",
+                        "max_tokens", "status", "prompt_tokens", "cached_tokens", "completion_tokens",
+                        "engine_seconds", "queued_at")
+ENCODE_CHUNK = 2048   # chat prompts rendered, then encoded this many at a time
+
+
+@dataclass(frozen=True)
+class IngestSource:
+    """The batch as ingest reads it. ``status`` other than validating: nothing to ingest."""
+
+    status: str
+    endpoint: str
+    input_file_id: str
+    object_key: Optional[str]            # None when the input file is gone
+
+
+@dataclass
+class IngestPlan:
+    lines: ValidationResult
+    token_ids: list[list[int]]           # per valid line
+    max_tokens: list[int]                # per valid line, as planned
+    shards: list[PlannedShard]
+
+
+def ingest_source(s: Session, batch_id: str) -> IngestSource:
+    batch = s.get(Batch, batch_id)
+    if batch is None:
+        raise LookupError(f"no batch {batch_id!r}")
+    file = s.get(File, batch.input_file_id)
+    object_key = file.object_key if file is not None and file.deleted_at is None else None
+    return IngestSource(batch.status, batch.endpoint, batch.input_file_id, object_key)
+
+
+def validate_input(store: ObjectStore, source: IngestSource, settings: Settings) -> ValidationResult:
+    if source.object_key is None or not store.exists(source.object_key):
+        result = ValidationResult()
+        result.add_error("invalid_request", f"Cannot find file {source.input_file_id}.", "input_file_id", None)
+        return result
+    return validate_lines(iter_lines(store.get_stream(source.object_key)), source.endpoint,
+                          settings.accepted_model_names(), max_lines=settings.max_lines,
+                          max_bytes=settings.max_file_bytes)
+
+
+def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: ANN001
+                   settings: Settings) -> list[list[int]]:
+    """Prompt token ids per valid line; a line whose prompt cannot be built becomes a validation error.
+
+    Chat prompts are rendered with the model's template, then encoded in batches (the same ids
+    as ``apply_chat_template``, which is render + encode without special tokens)."""
+    token_ids: list[list[int]] = [[] for _ in result.lines]
+    batched = endpoint == CHAT and hasattr(tokenizer, "render_chat") and hasattr(tokenizer, "backend")
+    renderer = ChatPromptRenderer(tokenizer) if batched else None
+    encoder = SegmentEncoder(tokenizer) if batched else None
+    pending: list[tuple[int, str]] = []
+
+    def encode_pending() -> None:
+        for (i, _), ids in zip(pending, encoder.encode_many([t for _, t in pending])):
+            token_ids[i] = ids
+        pending.clear()
+
+    for i, vl in enumerate(result.lines):
+        try:
+            if batched:
+                pending.append((i, renderer.render(chat_messages(vl.body))))
+                if len(pending) >= ENCODE_CHUNK:
+                    encode_pending()
+            else:
+                token_ids[i] = prompt_token_ids(vl.body, endpoint, tokenizer)
+        except RequestBodyError as e:
+            result.add_error(e.code, e.message, f"body.{e.param}" if e.param else "body", vl.line)
+        except Exception as e:  # the chat template itself refused these messages
+            result.add_error("invalid_request", f"The messages could not be formatted with the model's chat "
+                             f"template: {e}", "body.messages", vl.line)
+    if pending:
+        encode_pending()
+    total = sum(len(t) for t in token_ids)
+    if total > settings.max_batch_tokens:
+        result.add_error("token_limit_exceeded", f"The batch has {total} prompt tokens; the limit is "
+                         f"{settings.max_batch_tokens}.", None, None)
+    return token_ids
+
+
+def fail_ingest(s: Session, batch_id: str, errors: dict[str, Any]) -> bool:
+    """validating -> failed with the line errors; False if the batch had left validating."""
+    res = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
+                    .values(status=BatchStatus.FAILED, failed_at=time.time(), errors=errors))
+    return res.rowcount == 1
+
+
+def plan_ingest(lines: ValidationResult, token_ids: list[list[int]], endpoint: str,
+                settings: Settings) -> IngestPlan:
+    max_tokens = [planned_max_tokens(vl.body, endpoint, settings.default_chat_max_tokens,
+                                     settings.default_completion_max_tokens) for vl in lines.lines]
+    return IngestPlan(lines, token_ids, max_tokens, plan_shards(token_ids, max_tokens, settings.shard_token_budget))
+
+
+def insert_requests(s: Session, batch_id: str, plan: IngestPlan, now: float) -> Optional[list[int]]:
+    """The shards and request rows of a validating batch, which moves to in_progress; returns
+    the new shard ids, or None (nothing written) if the batch had left validating."""
+    # Take the batch row first: a concurrent duplicate ingest or a cancel waits here.
+    locked = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
+                       .values(status=BatchStatus.VALIDATING))
+    if locked.rowcount != 1:
+        return None
+    shard_rows = [{"batch_id": batch_id, "seq": p.seq, "status": "pending", "num_requests": len(p.members),
+                   "planned_tokens": p.planned_tokens, "enqueued_at": now} for p in plan.shards]
+    shard_ids = list(s.execute(insert(Shard).returning(Shard.id, sort_by_parameter_order=True),
+                               shard_rows).scalars())
+    rows = []
+    for p, shard_id in zip(plan.shards, shard_ids):
+        for i in p.members:  # insertion order = prefix order, so ids follow the run order
+            vl = plan.lines.lines[i]
+            rows.append((batch_id, shard_id, vl.line, vl.custom_id, orjson.dumps(vl.body).decode(),
+                         orjson.dumps(plan.token_ids[i]).decode(), _stored_max_tokens(vl.body),
+                         RequestStatus.PENDING, len(plan.token_ids[i]), 0, 0, 0.0, now))
+    _copy_requests(s, rows)
+    s.execute(update(Batch).where(Batch.id == batch_id).values(
+        status=BatchStatus.IN_PROGRESS, in_progress_at=now, model=plan.lines.model, request_total=len(rows),
+        planned_prompt_tokens=sum(len(t) for t in plan.token_ids), planned_max_tokens=sum(plan.max_tokens),
+        last_enqueued_at=now))
+    return shard_ids
+
+
+def _copy_requests(s: Session, rows: list[tuple]) -> None:
+    """COPY into requests on Postgres; executemany elsewhere."""
+    conn = s.connection()
+    if conn.dialect.name == "postgresql":
+        raw = conn.connection.driver_connection
+        cols = ", ".join(REQUEST_COPY_COLUMNS)
+        with raw.cursor() as cur, cur.copy(f"COPY requests ({cols}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+    else:
+        dicts = [dict(zip(REQUEST_COPY_COLUMNS, row)) for row in rows]
+        for d in dicts:  # the JSON columns were pre-serialised for COPY
+            d["body"] = orjson.loads(d["body"])
+            d["prompt_token_ids"] = orjson.loads(d["prompt_token_ids"])
+        s.execute(insert(Request), dicts)
+
+
+def _stored_max_tokens(body: dict[str, Any]) -> Optional[int]:
+    try:
+        value = requested_max_tokens(body)
+    except RequestBodyError:
+        return None
+    return value if value is not None and -2**31 < value < 2**31 else None

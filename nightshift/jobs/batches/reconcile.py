@@ -1,0 +1,80 @@
+"""The reconciler (beat): repairs what lost or duplicated Celery messages and dead workers
+leave behind, using only database state.
+
+- a running shard whose lease expired (its owner stopped heart-beating) goes back to
+  pending and is re-sent; after ``max_shard_attempts`` its unrun requests become error lines;
+- a pending shard whose wake-up is older than ``requeue_pending_after_seconds`` is re-sent
+  (the embedded filesystem broker loses an in-flight message on SIGKILL);
+- an in_progress batch whose shards are all terminal moves to finalizing; a finalizing
+  batch whose finalize message is old is re-sent; a cancelling batch is drained + finalized;
+  a validating batch whose ingest message is old is re-sent.
+Expiry is its own beat task (``nightshift.workers.batch_upkeep.expire_due_batches``): batches
+past their window are drained.
+Duplicated messages are harmless: every task re-checks state with a conditional UPDATE.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from nightshift.jobs.batches.lifecycle import drain_shard, start_finalize_if_done
+from nightshift.jobs.batches.models import Batch, BatchStatus, Shard, ShardStatus
+from nightshift.settings import Settings
+
+
+@dataclass
+class Actions:
+    """Messages to send once the reconciler's transaction has committed."""
+
+    run_shards: list[int] = field(default_factory=list)
+    finalize: list[str] = field(default_factory=list)
+    ingest: list[str] = field(default_factory=list)
+    cancel: list[str] = field(default_factory=list)
+
+
+def reconcile(s: Session, settings: Settings, now: Optional[float] = None) -> Actions:
+    """One pass over the database state; the messages to send are returned, to be sent once
+    the caller has committed."""
+    now = time.time() if now is None else now
+    stale = now - settings.requeue_pending_after_seconds
+    acts = Actions()
+    live_batch = select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)
+    # 1. expired leases (dead owner) -> pending, or drained after too many attempts
+    expired = s.execute(select(Shard.id, Shard.attempt).where(
+        Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < now, Shard.batch_id.in_(live_batch))).all()
+    for shard_id, attempt in expired:
+        if attempt >= settings.max_shard_attempts:
+            drain_shard(s, shard_id, "shard_failed", now)
+            continue
+        res = s.execute(update(Shard).where(Shard.id == shard_id, Shard.status == ShardStatus.RUNNING,
+                                            Shard.lease_expires_at < now)
+                        .values(status=ShardStatus.PENDING, lease_token=None, lease_expires_at=None,
+                                enqueued_at=now, last_error="lease expired (worker stopped heart-beating)"))
+        if res.rowcount == 1:
+            acts.run_shards.append(shard_id)
+    # 2. pending shards whose wake-up may be lost
+    for shard_id, attempt in s.execute(select(Shard.id, Shard.attempt).where(
+            Shard.status == ShardStatus.PENDING, func.coalesce(Shard.enqueued_at, 0) < stale,
+            Shard.batch_id.in_(live_batch))).all():
+        if attempt >= settings.max_shard_attempts:
+            drain_shard(s, shard_id, "shard_failed", now)
+            continue
+        s.execute(update(Shard).where(Shard.id == shard_id).values(enqueued_at=now))
+        acts.run_shards.append(shard_id)
+    # 3. batches with nothing left to run
+    for (batch_id,) in s.execute(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)).all():
+        if start_finalize_if_done(s, batch_id, now):
+            acts.finalize.append(batch_id)
+    # 4. lost finalize / cancel / ingest messages
+    last_sent = func.coalesce(Batch.last_enqueued_at, Batch.created_at)
+    for status, bucket in ((BatchStatus.FINALIZING, acts.finalize), (BatchStatus.CANCELLING, acts.cancel),
+                           (BatchStatus.VALIDATING, acts.ingest)):
+        ids = list(s.scalars(select(Batch.id).where(Batch.status == status, last_sent < stale)))
+        if ids:
+            s.execute(update(Batch).where(Batch.id.in_(ids)).values(last_enqueued_at=now))
+            bucket.extend(i for i in ids if i not in bucket)
+    return acts

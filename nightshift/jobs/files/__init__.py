@@ -1,0 +1,1 @@
+"""Files: uploads streamed to the object store, their rows, listing and content."""

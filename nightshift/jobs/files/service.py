@@ -1,0 +1,55 @@
+"""Files as the API sees them: lookup within a project, cursor listing, soft delete, content."""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional
+
+from sqlalchemy import select, tuple_
+from sqlalchemy.orm import Session
+
+from nightshift.jobs.errors import NotFound
+from nightshift.jobs.files.models import File
+from nightshift.storage.objectstore import ObjectStore
+
+
+def get_file(session: Session, project_id: str, file_id: str, param: Optional[str] = None) -> File:
+    row = session.get(File, file_id)
+    if row is None or row.project_id != project_id or row.deleted_at is not None:
+        raise NotFound("file", file_id, param)
+    return row
+
+
+def list_files(session: Session, project_id: str, *, after: Optional[str] = None, limit: int = 10_000,
+               order: str = "desc", purpose: Optional[str] = None) -> tuple[list[File], bool]:
+    """One page of the project's files by created_at (then id); ``after`` is the last id seen."""
+    query = select(File).where(File.project_id == project_id, File.deleted_at.is_(None))
+    if purpose:
+        query = query.where(File.purpose == purpose)
+    key = tuple_(File.created_at, File.id)
+    if after:
+        cursor = get_file(session, project_id, after, "after")
+        mark = tuple_(cursor.created_at, cursor.id)
+        query = query.where(key < mark if order == "desc" else key > mark)
+    sort = (File.created_at.desc(), File.id.desc()) if order == "desc" else (File.created_at, File.id)
+    rows = list(session.scalars(query.order_by(*sort).limit(limit + 1)))
+    return rows[:limit], len(rows) > limit
+
+
+def delete_file(session: Session, project_id: str, file_id: str) -> File:
+    """Hide the row (kept because batches refer to it); the caller commits, then calls
+    ``delete_content`` so that content never disappears under a row that still shows."""
+    row = get_file(session, project_id, file_id)
+    row.deleted_at = time.time()
+    session.flush()
+    return row
+
+
+def delete_content(store: ObjectStore, row: File) -> None:
+    store.delete(row.object_key)
+
+
+def file_content(store: ObjectStore, row: File) -> Iterator[bytes]:
+    try:
+        return store.get_stream(row.object_key)
+    except KeyError:
+        raise NotFound("file", row.id) from None

@@ -1,0 +1,1 @@
+"""Projects (the unit of tenancy) and the API keys that act for them."""

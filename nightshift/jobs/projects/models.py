@@ -1,0 +1,28 @@
+"""Tables of tenancy: projects, and API keys stored only as hashes."""
+from __future__ import annotations
+
+from typing import Optional
+
+from sqlalchemy import Float, ForeignKey, String
+from sqlalchemy.orm import Mapped, mapped_column
+
+from nightshift.jobs.orm import Base, now
+
+
+class Project(Base):
+    __tablename__ = "projects"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    project_id: Mapped[str] = mapped_column(ForeignKey(Project.id, ondelete="CASCADE"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(128), unique=True)   # sha256 hex of the secret
+    key_prefix: Mapped[str] = mapped_column(String(32))              # first characters, for display
+    name: Mapped[Optional[str]] = mapped_column(String(200))
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+    last_used_at: Mapped[Optional[float]] = mapped_column(Float)
+    revoked_at: Mapped[Optional[float]] = mapped_column(Float)
