@@ -55,7 +55,8 @@ def main() -> None:
     from nightshift.jobs.costs.batch_costs import write_cost_files
     from nightshift.jobs.costs.daily_costs import costs_by_day
     from nightshift.settings import Settings
-    from nightshift.storage.db import dispose_engines, session_scope, upgrade_head
+    from nightshift.migrations import upgrade_head
+    from nightshift.storage.db import dispose_engines, session_scope
     from nightshift.storage.localdir import LocalDirStore
 
     name = f"nightshift_cost_bench_{secrets.token_hex(4)}"

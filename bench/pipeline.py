@@ -117,7 +117,7 @@ def _new_batch(db_url: str, store, lines: list[dict]) -> str:  # noqa: ANN001
 def bench_ingest(args: argparse.Namespace) -> None:
     from nightshift.engine import load_tokenizer
     from nightshift.settings import get_settings
-    from nightshift.storage.db import upgrade_head
+    from nightshift.migrations import upgrade_head
     from nightshift.storage.objectstore import get_object_store
     from nightshift.workers.ingest import ingest_batch
 
@@ -192,7 +192,8 @@ def pipeline_seconds(env: dict[str, str], lines: list[dict], timeout: float, log
     from nightshift.jobs.batches.models import Batch, Shard
     from nightshift.settings import get_settings
     from sqlalchemy import func, select
-    from nightshift.storage.db import session_scope, upgrade_head
+    from nightshift.migrations import upgrade_head
+    from nightshift.storage.db import session_scope
     from nightshift.storage.objectstore import get_object_store
     from nightshift.workers.celery_app import TASK_INGEST, make_celery
     from nightshift.workers.procs import service_env, start_worker, stop

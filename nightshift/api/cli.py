@@ -28,7 +28,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_migrate(_: argparse.Namespace) -> int:
     from nightshift.settings import get_settings
-    from nightshift.storage.db import upgrade_head
+    from nightshift.migrations import upgrade_head
 
     upgrade_head(get_settings().resolved_database_url)
     print("database is at the newest schema", file=sys.stderr)
@@ -38,7 +38,8 @@ def _cmd_migrate(_: argparse.Namespace) -> int:
 def _cmd_keys_create(args: argparse.Namespace) -> int:
     from nightshift.jobs.projects.api_keys import create_key
     from nightshift.settings import get_settings
-    from nightshift.storage.db import session_scope, upgrade_head
+    from nightshift.migrations import upgrade_head
+    from nightshift.storage.db import session_scope
 
     url = get_settings().resolved_database_url
     upgrade_head(url)

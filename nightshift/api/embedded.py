@@ -50,7 +50,7 @@ def start_workers(home: Path) -> list[subprocess.Popen]:
 def stop_workers(children: list[subprocess.Popen], grace_seconds: float) -> None:
     """Warm shutdown of all workers at once; whatever still runs after ``grace_seconds`` is
     killed with its process group. A shard stopped midway keeps its rows pending: its lease
-    runs out and the reconciler sends it again (DESIGN: leases, not messages, hold the truth)."""
+    runs out and the reconciler sends it again (leases, not messages, hold the truth: docs/architecture.md)."""
     for child in children:
         if child.poll() is None:
             try:
@@ -66,7 +66,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") ->
     import uvicorn
 
     from nightshift.api.app import create_app
-    from nightshift.storage.db import upgrade_head
+    from nightshift.migrations import upgrade_head
 
     home = Path(get_settings().home).resolve()
     home.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Alembic environment: URL from the caller (nightshift.storage.db.alembic_config) or from settings."""
+"""Alembic environment: URL from the caller (nightshift.migrations.alembic_config) or from settings."""
 from __future__ import annotations
 
 from alembic import context

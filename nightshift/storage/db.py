@@ -104,30 +104,3 @@ def dispose_engines() -> None:
         for engine in _engines.values():
             engine.dispose()
         _engines.clear()
-
-
-def alembic_config(url: str):
-    """An Alembic config for the packaged migrations (no alembic.ini needed)."""
-    from alembic.config import Config
-
-    from nightshift import migrations
-
-    cfg = Config()
-    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
-    cfg.attributes["database_url"] = url
-    return cfg
-
-
-def upgrade_head(url: Optional[str] = None) -> None:
-    """Bring the database to the newest schema (`alembic upgrade head`)."""
-    from alembic import command
-
-    if url is None:
-        from nightshift.settings import get_settings
-
-        url = get_settings().resolved_database_url
-    if url.startswith("sqlite"):
-        path = url.split("///", 1)[-1]
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-    command.upgrade(alembic_config(url), "head")

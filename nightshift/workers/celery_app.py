@@ -1,6 +1,6 @@
 """The Celery app: Redis broker in production, kombu ``filesystem://`` in the embedded default.
 
-Postgres is the truth; messages are wake-ups (DESIGN §1). ``acks_late`` + prefetch 1 so a
+Postgres is the truth; messages are wake-ups (docs/architecture.md). ``acks_late`` + prefetch 1 so a
 worker holds one shard at a time and a crash re-delivers (Redis) — and if the message is
 lost anyway (filesystem broker), the reconciler on beat re-sends from database state.
 Queues: ``cpu`` (ingest, finalize, cancel, reconcile, expire, schedules) and ``gpu``

@@ -24,7 +24,8 @@ def _admin_engine():
 @pytest.fixture(scope="session")
 def pg_url():
     """A new Postgres database for this test session, migrated to head; dropped at the end."""
-    from nightshift.storage.db import dispose_engines, upgrade_head
+    from nightshift.migrations import upgrade_head
+    from nightshift.storage.db import dispose_engines
 
     name = f"nightshift_test_{os.getpid()}_{secrets.token_hex(4)}"
     admin = _admin_engine()
@@ -61,7 +62,7 @@ def pg_db(pg_url):
 
 @pytest.fixture
 def sqlite_db(tmp_path):
-    from nightshift.storage.db import upgrade_head
+    from nightshift.migrations import upgrade_head
 
     url = f"sqlite:///{tmp_path / 'nightshift.db'}"
     upgrade_head(url)

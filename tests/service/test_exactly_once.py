@@ -93,7 +93,7 @@ def test_sigkill_mid_shard_reports_every_custom_id_exactly_once(pg_db, redis_url
 
 def test_embedded_default_runs_the_same_pipeline(settings_env, tmp_path):
     """SQLite + local folder + filesystem:// broker, one worker with beat: a batch completes."""
-    from nightshift.storage.db import upgrade_head
+    from nightshift.migrations import upgrade_head
     from nightshift.storage.objectstore import get_object_store
     from nightshift.workers.celery_app import TASK_INGEST, make_celery
 

@@ -130,34 +130,3 @@ def test_completions_file_is_ingested(any_db, settings_env, tmp_path, tokenizer)
     with session_scope(any_db) as s:
         row = s.scalars(select(Request).where(Request.batch_id == bid, Request.custom_id == "p1")).one()
         assert row.prompt_token_ids == tokenizer.encode("Once upon a time 1")
-
-
-def test_fast_chat_rendering_equals_the_template(tokenizer):
-    from nightshift.jobs.chat_prompts import ChatPromptRenderer, content_is_verbatim
-
-    renderer = ChatPromptRenderer(tokenizer)
-    assert renderer.fast
-    chats = [[{"role": "user", "content": "solo"}],
-             [{"role": "system", "content": "  spaced \n"}, {"role": "user", "content": "{{ not jinja }} <&>"}],
-             [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": ""}],
-             [{"role": "user", "content": "has a sentinel \ue000 char"}]]
-    for chat in chats:
-        assert renderer.render(chat) == tokenizer.render_chat(chat, add_generation_prompt=True)
-    # templates that transform or test the content never take the fast path
-    assert not content_is_verbatim("{% for m in messages %}{{ m['content'] | trim }}{% endfor %}")
-    assert not content_is_verbatim("{% for m in messages %}{% if m.content %}{{ m.content }}{% endif %}{% endfor %}")
-    assert not content_is_verbatim("{% for m in messages %}{% set c = m.content %}{{ c }}{% endfor %}")
-    assert content_is_verbatim("{% for m in messages %}{{ '<' + m['role'] + '>' + m['content'] }}{% endfor %}")
-
-
-def test_segment_encoder_equals_whole_text_encoding(tokenizer):
-    from nightshift.jobs.chat_prompts import SegmentEncoder
-
-    enc = SegmentEncoder(tokenizer)
-    assert enc.split is not None
-    texts = [tokenizer.render_chat([{"role": "system", "content": "Shared prompt, twice."},
-                                    {"role": "user", "content": f"line {i} ünïcode  spaces\n\n"}]) for i in range(50)]
-    texts += ["<|im_start|><|im_end|>", "no specials at all", "", "x<|endoftext|>y<|im_start|>"]
-    expected = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    assert enc.encode_many(texts) == expected
-    assert enc.encode_many(texts) == expected  # from the cache

@@ -81,7 +81,8 @@ def test_migrations_create_all_tables(any_db):
 def test_migration_downgrade_roundtrip(tmp_path):
     from alembic import command
 
-    from nightshift.storage.db import alembic_config, get_engine, upgrade_head
+    from nightshift.migrations import alembic_config, upgrade_head
+    from nightshift.storage.db import get_engine
 
     url = f"sqlite:///{tmp_path / 'rt.db'}"
     upgrade_head(url)

@@ -26,7 +26,6 @@ from nightshift.jobs.batches.openai_mapping import (CHAT, RequestBodyError, chat
                                                     prompt_token_ids, requested_max_tokens)
 from nightshift.jobs.batches.shard_planning import PlannedShard, plan_shards
 from nightshift.jobs.batches.validation import ValidationResult, validate_lines
-from nightshift.jobs.chat_prompts import ChatPromptRenderer, SegmentEncoder
 from nightshift.jobs.files.models import File
 from nightshift.settings import Settings
 from nightshift.storage.objectstore import ObjectStore, iter_lines
@@ -82,9 +81,8 @@ def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: 
     Chat prompts are rendered with the model's template, then encoded in batches (the same ids
     as ``apply_chat_template``, which is render + encode without special tokens)."""
     token_ids: list[list[int]] = [[] for _ in result.lines]
-    batched = endpoint == CHAT and hasattr(tokenizer, "render_chat") and hasattr(tokenizer, "backend")
-    renderer = ChatPromptRenderer(tokenizer) if batched else None
-    encoder = SegmentEncoder(tokenizer) if batched else None
+    batched = endpoint == CHAT and hasattr(tokenizer, "chat_prompt_encoder")
+    encoder = tokenizer.chat_prompt_encoder() if batched else None
     pending: list[tuple[int, str]] = []
 
     def encode_pending() -> None:
@@ -95,7 +93,7 @@ def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: 
     for i, vl in enumerate(result.lines):
         try:
             if batched:
-                pending.append((i, renderer.render(chat_messages(vl.body))))
+                pending.append((i, encoder.render(chat_messages(vl.body))))
                 if len(pending) >= ENCODE_CHUNK:
                     encode_pending()
             else:

@@ -1,4 +1,4 @@
-"""Shard leases and compare-and-set result writes (exactly-once reporting, DESIGN §1).
+"""Shard leases and compare-and-set result writes (docs/architecture.md, "Exactly once").
 
 A worker claims a shard by a conditional UPDATE that hands it a fresh ``lease_token``.
 Every write of results first re-asserts the lease (UPDATE shards ... WHERE lease_token =

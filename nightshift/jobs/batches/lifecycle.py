@@ -1,4 +1,4 @@
-"""Batch state machine (DESIGN §4): guarded transitions and draining unrun requests.
+"""Batch state machine: guarded transitions and draining unrun requests.
 
 Every transition is a conditional UPDATE on the current status, so two processes doing
 the same step (a duplicated message, the reconciler racing a worker) cannot both win.

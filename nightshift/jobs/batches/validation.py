@@ -1,4 +1,4 @@
-"""Streaming validation of a batch input file (DESIGN §4).
+"""Streaming validation of a batch input file.
 
 Every line is checked; each bad line gives one error entry ``{code, message, param, line}``
 with OpenAI's codes. Lines are numbered from 1; blank lines are skipped (but counted).
