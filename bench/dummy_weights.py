@@ -8,7 +8,9 @@ device; INT4 quantization then runs on them like on a real float checkpoint.
 """
 from __future__ import annotations
 
+import json
 import zlib
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -129,3 +131,33 @@ def dummy_engine(name: str, quantization: str = "none", device: str = "auto", dt
     model = build_dummy_model(name, resolve_dtype(dtype, device), device, resolve_quant_config(quantization),
                               seed, max_position_embeddings)
     return Engine.from_model(model, load_tokenizer(tokenizer), f"dummy-{name}", **engine_options)
+
+
+def save_hf_folder(name: str, folder: Path, seed: int = 0, tokenizer: str = "default",
+                   max_position_embeddings: Optional[int] = None) -> Path:
+    """Random weights of shape `name` written as a Hugging Face model folder (config.json,
+    model.safetensors, the tokenizer files of `tokenizer`): a model any process can load by path,
+    through the same loader as a real checkpoint (NIGHTSHIFT_MODEL=<folder> for the workers)."""
+    from safetensors.torch import save_file
+
+    config = dummy_config(name, max_position_embeddings)
+    source = load_tokenizer(tokenizer)
+    if source.vocab_size > config.vocab_size:
+        raise ValueError(f"tokenizer {tokenizer!r} has {source.vocab_size} tokens, the {name} shape only "
+                         f"{config.vocab_size}")
+    folder.mkdir(parents=True, exist_ok=True)
+    checkpoint = DummyCheckpoint(config, seed=seed)
+    save_file({n: checkpoint.tensor(n).contiguous() for n in checkpoint.names()}, str(folder / "model.safetensors"))
+    hf_config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.hidden_size,
+                 "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
+                 "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+                 "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
+                 "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+                 "max_position_embeddings": config.max_position_embeddings,
+                 "tie_word_embeddings": config.tie_word_embeddings, "rope_scaling": config.rope_scaling,
+                 "eos_token_id": list(source.eos_token_ids)}
+    (folder / "config.json").write_text(json.dumps(hf_config, indent=1))
+    source.backend.save(str(folder / "tokenizer.json"))
+    tokens = {key: value for key, value in source.special_tokens.items() if value is not None}
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": source.chat_template, **tokens}))
+    return folder

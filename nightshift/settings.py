@@ -55,7 +55,15 @@ class Settings(BaseSettings):
     completion_window_seconds: int = 24 * 3600
 
     # --- pipeline ---------------------------------------------------------------------
-    shard_token_budget: int = 65_536             # prompt + max_tokens per shard
+    # A shard is at most this many requests and planned tokens (prompt + max_tokens), so that
+    # several engine workers share a batch; an engine worker keeps its engine full across shards.
+    shard_max_requests: int = 128
+    shard_token_budget: int = 65_536
+    # A busy engine worker takes ahead a pending shard whose wake-up has waited this long (no idle
+    # worker took it), and keeps doing so for engine_stream_seconds after its task began; then it
+    # drains and ends the task (so a warm shutdown waits at most about that long plus the drain).
+    claim_ahead_after_seconds: float = 0.25
+    engine_stream_seconds: float = 60.0
     lease_seconds: float = 120.0                 # a shard lease lives this long without heartbeat
     heartbeat_seconds: float = 10.0
     result_flush_seconds: float = 0.25           # results are written in small transactions
@@ -65,7 +73,7 @@ class Settings(BaseSettings):
     reconcile_interval_seconds: float = 15.0
     expire_interval_seconds: float = 30.0
     broker_visibility_timeout: int = 6 * 3600    # Redis: longer than the longest shard
-    broker_polling_interval: float = 0.1         # filesystem:// broker
+    broker_polling_interval: float = 0.05        # filesystem:// broker: a wake-up waits half this on average
 
     # --- database connections and API admission --------------------------------------
     # Each process keeps at most db_pool_size connections (no overflow). The API runs at most

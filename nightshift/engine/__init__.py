@@ -14,10 +14,10 @@ from nightshift.engine.model_runner import ModelRunner
 from nightshift.engine.step import StepItem
 from nightshift.engine.tokenizer import Tokenizer, load_tokenizer
 from nightshift.engine.types import (EngineStats, GenerationOutput, GenerationRequest, InvalidRequestError,
-                                     RequestError, SamplingParams)
+                                     RequestError, RequestFeed, SamplingParams)
 
 __all__ = [
     "Engine", "EngineConfig", "EngineStats", "GenerationOutput", "GenerationRequest", "InvalidRequestError",
-    "ModelRunner", "RequestError", "SamplingParams", "StepItem", "Tokenizer", "load_model", "load_tokenizer",
+    "ModelRunner", "RequestError", "RequestFeed", "SamplingParams", "StepItem", "Tokenizer", "load_model", "load_tokenizer",
     "resolve_model",
 ]

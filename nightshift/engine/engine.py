@@ -25,7 +25,8 @@ from nightshift.engine.sequence import Sequence
 from nightshift.engine.step import StepItem
 from nightshift.engine.stop_checker import StopChecker
 from nightshift.engine.tokenizer import load_tokenizer
-from nightshift.engine.types import EngineStats, GenerationOutput, GenerationRequest, InvalidRequestError, RequestError
+from nightshift.engine.types import (EngineStats, GenerationOutput, GenerationRequest, InvalidRequestError, RequestError,
+                                     RequestFeed)
 
 
 class Engine:
@@ -97,35 +98,39 @@ class Engine:
                                       "request_id is already running in this engine", "request_id")
 
     # ---- generation ---------------------------------------------------------------------
-    def generate(self, requests: Iterable[GenerationRequest], offline: bool = True) -> Iterator[GenerationOutput]:
+    def generate(self, requests: Iterable[GenerationRequest], offline: bool = True,
+                 feed: Optional[RequestFeed] = None) -> Iterator[GenerationOutput]:
         """Run `requests`; yield each one's GenerationOutput as soon as it finishes.
 
         Invalid requests are yielded first, as finish_reason="error" outputs. offline=True
         reorders admission so requests sharing a prompt prefix run together; False keeps
-        arrival order. Closing the iterator early aborts whatever has not finished.
+        arrival order. With a `feed`, more requests join while the others run (see RequestFeed),
+        and generation ends when both are done. Closing the iterator early aborts whatever has
+        not finished.
         """
         with self._lock:
             if self._generating:
                 raise RuntimeError("Engine.generate() is already running; one call at a time")
             self._generating = True
         try:
-            seqs: list[Sequence] = []
-            for request in requests:
-                try:
-                    self.validate(request)
-                except InvalidRequestError as err:
-                    yield self._error_output(request, err)
+            yield from self._admit(requests, offline)
+            while True:
+                if feed is not None:
+                    idle = not self.scheduler.has_unfinished()
+                    more = feed.take(len(self.scheduler.waiting), idle)
+                    if more is None:
+                        feed = None
+                    elif more:
+                        yield from self._admit(more, offline)
+                    elif idle:
+                        time.sleep(0.001)   # a feed that breaks its contract must not make this spin hot
+                if not self.scheduler.has_unfinished():
+                    if feed is None:
+                        break
                     continue
-                seq = Sequence(request, self.block_manager.block_size)
-                with self._lock:
-                    self._active[seq.request_id] = seq
-                self._stats.prompt_tokens += seq.num_prompt_tokens
-                seqs.append(seq)
-            self.scheduler.add(seqs, offline=offline)
-            while self.scheduler.has_unfinished():
                 yield from self._take_aborts()
                 if not self.scheduler.has_unfinished():
-                    break
+                    continue
                 for seq in self._step():
                     yield self._finish(seq)
         finally:
@@ -134,6 +139,22 @@ class Engine:
                 self._active.pop(seq.request_id, None)
             self._abort_requested.clear()
             self._generating = False
+
+    def _admit(self, requests: Iterable[GenerationRequest], offline: bool) -> Iterator[GenerationOutput]:
+        """Validate and queue requests; the invalid ones come back at once as error outputs."""
+        seqs: list[Sequence] = []
+        for request in requests:
+            try:
+                self.validate(request)
+            except InvalidRequestError as err:
+                yield self._error_output(request, err)
+                continue
+            seq = Sequence(request, self.block_manager.block_size)
+            with self._lock:
+                self._active[seq.request_id] = seq
+            self._stats.prompt_tokens += seq.num_prompt_tokens
+            seqs.append(seq)
+        self.scheduler.add(seqs, offline=offline)
 
     def abort(self, request_id: str) -> bool:
         """Stop a queued or running request; generate() yields it with finish_reason="abort".

@@ -6,7 +6,7 @@ GenerationRequest objects and reads GenerationOutput objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 
 class InvalidRequestError(ValueError):
@@ -75,3 +75,14 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     requests_finished: int = 0
+
+
+class RequestFeed(Protocol):
+    """More requests for a running ``Engine.generate`` (a long-running worker streams work in).
+
+    Before every step the engine calls ``take(waiting, idle)``: ``waiting`` is how many of its
+    sequences wait for admission, ``idle`` whether it has nothing at all to run. Return the
+    requests to add now ([] for none yet), or None once the feed has ended; when ``idle``,
+    wait for requests rather than return [] (the engine has nothing else to do)."""
+
+    def take(self, waiting: int, idle: bool) -> Optional[list[GenerationRequest]]: ...

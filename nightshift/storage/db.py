@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+import orjson
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -25,6 +26,10 @@ _engines: dict[tuple[str, int], Engine] = {}
 
 
 READ_ONLY = "nightshift_read_only"   # execution option: SQLite begins deferred
+# JSON columns (request bodies, prompt token ids, response bodies) through orjson: several times
+# faster than the json module, and these columns are read and written per request.
+JSON_CODEC = {"json_serializer": lambda value: orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode(),
+              "json_deserializer": orjson.loads}
 
 
 def make_engine(url: str, pool_size: int = 8, pool_timeout: float = 10.0) -> Engine:
@@ -33,7 +38,7 @@ def make_engine(url: str, pool_size: int = 8, pool_timeout: float = 10.0) -> Eng
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False},
-                               pool_size=pool_size, max_overflow=0, pool_timeout=pool_timeout)
+                               pool_size=pool_size, max_overflow=0, pool_timeout=pool_timeout, **JSON_CODEC)
 
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn, _record):  # noqa: ANN001
@@ -51,7 +56,8 @@ def make_engine(url: str, pool_size: int = 8, pool_timeout: float = 10.0) -> Eng
             conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=0, pool_timeout=pool_timeout)
+    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=0, pool_timeout=pool_timeout,
+                         **JSON_CODEC)
 
 
 def get_engine(url: Optional[str] = None) -> Engine:

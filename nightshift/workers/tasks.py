@@ -1,7 +1,7 @@
 """Celery tasks of batches. Each re-reads database state and does nothing when its work is
 already done, so a redelivered or duplicated message is harmless. A task owns the
 transactions of its work (here, or in the flow module it calls: ``ingest``,
-``shard_runner``, ``finalize``, ``batch_upkeep``) and sends wake-ups only after they commit.
+``shard_stream``, ``finalize``, ``batch_upkeep``) and sends wake-ups only after they commit.
 Domain rules live in jobs/."""
 from __future__ import annotations
 
@@ -37,13 +37,12 @@ def ingest(batch_id: str) -> str:
 
 @app.task(name=TASK_RUN_SHARD)
 def run_shard(shard_id: int) -> str:
-    from nightshift.workers.shard_runner import run_shard as run   # imports the engine: gpu workers only
+    from nightshift.workers.shard_stream import run_shard as run   # imports the engine: gpu workers only
 
     settings = get_settings()
     engine = get_engine(settings)
-    result = run(shard_id, engine, settings=settings, owner=worker_identity(), device=engine_device(engine))
-    if result.finalize:
-        dispatch.enqueue_finalize(result.lease.batch_id)
+    result = run(shard_id, engine, settings=settings, owner=worker_identity(), device=engine_device(engine),
+                 on_finalize=dispatch.enqueue_finalize, on_released=dispatch.enqueue_run_shard)
     return result.status
 
 

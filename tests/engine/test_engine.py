@@ -236,3 +236,44 @@ def test_one_generate_at_a_time(engine, tokenizer):
     with pytest.raises(RuntimeError):
         next(engine.generate([GenerationRequest("b", prompt, greedy(1))]))
     stream.close()
+
+
+class ListFeed:
+    """Hands its parts to the engine one per call while the engine is busy with fewer than
+    `low_water` waiting sequences; records what the engine told it."""
+
+    def __init__(self, parts, low_water=1):
+        self.parts = list(parts)
+        self.low_water = low_water
+        self.calls = []
+
+    def take(self, waiting, idle):
+        self.calls.append((waiting, idle))
+        if not self.parts:
+            return None
+        if idle or waiting < self.low_water:
+            return self.parts.pop(0)
+        return []
+
+
+def test_a_feed_streams_requests_into_a_running_generate(engine, tokenizer):
+    prompts = [chat(tokenizer, f"Name a colour, number {i}.") for i in range(6)]
+    requests = [GenerationRequest(f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)]
+    alone = by_id(engine.generate(requests))
+
+    feed = ListFeed([requests[2:4], [GenerationRequest("bad", [], greedy(4))], requests[4:]])
+    streamed = list(engine.generate(requests[:2], feed=feed))
+    assert sorted(o.request_id for o in streamed) == sorted([*alone, "bad"])
+    for out in streamed:
+        if out.request_id == "bad":
+            assert out.finish_reason == "error" and out.error.param == "prompt"   # validated on arrival
+        else:
+            assert out.token_ids == alone[out.request_id].token_ids
+    assert any(not idle for _, idle in feed.calls)  # parts arrived while others were still running
+
+
+def test_a_feed_that_ends_at_once_is_no_feed(engine, tokenizer):
+    request = GenerationRequest("solo", chat(tokenizer, "Hello"), greedy(3))
+    feed = ListFeed([])
+    assert [o.request_id for o in engine.generate([request], feed=feed)] == ["solo"]
+    assert list(engine.generate([], feed=ListFeed([]))) == []

@@ -112,3 +112,38 @@ def test_embedded_default_runs_the_same_pipeline(settings_env, tmp_path):
     finally:
         stop(worker)
     assert sorted(all_custom_ids(store, db_url, bid)) == ["k0", "k1", "k2"]
+
+
+def test_two_engine_workers_share_a_batch_and_answer_each_line_once(pg_db, redis_url, s3_server, s3_bucket,
+                                                                     settings_env, tmp_path):
+    """A batch cut into several shards, two idle engine workers: both get shards (each takes its
+    own wake-ups; a busy one takes ahead only what nobody picked up), and every line is
+    answered once."""
+    from nightshift.storage.objectstore import get_object_store
+    from nightshift.workers.celery_app import TASK_INGEST, make_celery
+
+    conf = dict(database_url=pg_db, broker_url=redis_url, object_store="s3", s3_bucket=s3_bucket,
+                s3_endpoint_url=s3_server, s3_access_key_id="t", s3_secret_access_key="t", shard_max_requests=2)
+    settings = settings_env(**conf)
+    store = get_object_store()
+    env = service_env(**conf)
+    pid = make_project(pg_db)
+    bid = make_batch(pg_db, pid, make_input_file(pg_db, store, pid, lines(8)))
+    procs = [start_worker(env, "cpu", "cpu", tmp_path / "cpu.log", beat=True)]
+    procs += [start_worker(env, "gpu", f"gpu{i}", tmp_path / f"gpu{i}.log") for i in (1, 2)]
+    try:
+        for i in (1, 2):
+            wait_for(lambda i=i: "ready" in (tmp_path / f"gpu{i}.log").read_text(errors="replace"), 120, 0.2,
+                     f"engine worker {i} ready")
+        make_celery(settings).send_task(TASK_INGEST, args=[bid], queue="cpu")
+        wait_for(lambda: batch_status(pg_db, bid) == "completed", 600, 0.5, "batch completed")
+    finally:
+        for proc in procs:
+            stop(proc)
+    assert sorted(all_custom_ids(store, pg_db, bid)) == sorted(f"k{i}" for i in range(8))
+    with session_scope(pg_db) as s:
+        shards = s.scalars(select(Shard).where(Shard.batch_id == bid)).all()
+        workers = {sh.worker for sh in shards}
+        assert len(shards) == 4 and all(sh.status == "done" and sh.attempt == 1 for sh in shards)
+        assert sum(sh.completed_count for sh in shards) == 8
+    assert len(workers) == 2, workers

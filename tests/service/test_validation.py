@@ -101,7 +101,7 @@ def test_shards_group_shared_prefixes_and_respect_budget():
     sys_a, sys_b = [1] * 20, [2] * 20
     prompts = [sys_a + [i] for i in range(10)] + [sys_b + [i] for i in range(10)]
     prompts = prompts[::2] + prompts[1::2]  # interleave the two groups
-    plan = plan_shards(prompts, [10] * 20, token_budget=10 * 31)
+    plan = plan_shards(prompts, [10] * 20, token_budget=10 * 31, max_requests=100)
     assert sum(len(s.members) for s in plan) == 20
     assert sorted(i for s in plan for i in s.members) == list(range(20))
     for s in plan:
@@ -111,13 +111,21 @@ def test_shards_group_shared_prefixes_and_respect_budget():
 
 def test_shard_cut_moves_to_group_boundary():
     prompts = [[1] * 10 + [i] for i in range(6)] + [[2] * 10 + [i] for i in range(6)]
-    plan = plan_shards(prompts, [0] * 12, token_budget=11 * 8)  # 8 fit; the group boundary is at 6
+    plan = plan_shards(prompts, [0] * 12, token_budget=11 * 8, max_requests=100)  # 8 fit; the group boundary is at 6
     assert [len(s.members) for s in plan] == [6, 6]
 
 
 def test_oversized_request_gets_its_own_shard():
-    plan = plan_shards([[1] * 50, [2] * 5, [3] * 5], [100, 1, 1], token_budget=20)
+    plan = plan_shards([[1] * 50, [2] * 5, [3] * 5], [100, 1, 1], token_budget=20, max_requests=100)
     assert [len(s.members) for s in plan] == [1, 2]
+
+
+def test_shards_hold_at_most_max_requests_and_cut_at_a_group_boundary():
+    prompts = [[1] * 10 + [i] for i in range(6)] + [[2] * 10 + [i] for i in range(6)]
+    plan = plan_shards(prompts, [0] * 12, token_budget=10 ** 6, max_requests=8)  # 8 fit; the boundary is at 6
+    assert [len(s.members) for s in plan] == [6, 6]
+    plan = plan_shards([[1, i] for i in range(10)], [4] * 10, token_budget=10 ** 6, max_requests=3)
+    assert [len(s.members) for s in plan] == [3, 3, 3, 1]
 
 
 # --- OpenAI body -> sampling, output -> body ------------------------------------------

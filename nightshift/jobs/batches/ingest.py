@@ -123,7 +123,8 @@ def plan_ingest(lines: ValidationResult, token_ids: list[list[int]], endpoint: s
                 settings: Settings) -> IngestPlan:
     max_tokens = [planned_max_tokens(vl.body, endpoint, settings.default_chat_max_tokens,
                                      settings.default_completion_max_tokens) for vl in lines.lines]
-    return IngestPlan(lines, token_ids, max_tokens, plan_shards(token_ids, max_tokens, settings.shard_token_budget))
+    return IngestPlan(lines, token_ids, max_tokens, plan_shards(token_ids, max_tokens, settings.shard_token_budget,
+                                                                 settings.shard_max_requests))
 
 
 def insert_requests(s: Session, batch_id: str, plan: IngestPlan, now: float) -> Optional[list[int]]:

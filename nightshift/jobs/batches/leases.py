@@ -7,7 +7,7 @@ Every write of results first re-asserts the lease (UPDATE shards ... WHERE lease
 expiry) changes nothing and learns it lost the lease; a re-run shard skips done requests.
 
 Each function works in the caller's transaction; the guarantees hold per transaction, so a
-caller commits after each call (the shard runner does: ``nightshift.workers.shard_runner``).
+caller commits after each call (the shard runner does: ``nightshift.workers.shard_stream``).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sqlalchemy import and_, exists, func, or_, select, update
+from sqlalchemy import and_, bindparam, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus, Shard, ShardStatus
@@ -86,44 +86,63 @@ def renew_lease(s: Session, lease: Lease, lease_seconds: float, now: Optional[fl
         raise LeaseLost(f"shard {lease.shard_id}: lease {lease.token[:8]} is no longer held")
 
 
+def claim_next_shard(s: Session, owner: str, lease_seconds: float, *, waiting_since: float,
+                     device: Optional[str] = None, now: Optional[float] = None) -> Optional[Lease]:
+    """Lease the oldest pending shard (oldest batch first) whose wake-up was sent before
+    ``waiting_since``: work no idle worker picked up, which a busy worker may take ahead so its
+    engine stays full. None if there is none. Postgres skips shards another claimer has locked;
+    SQLite's writers take turns anyway."""
+    now = time.time() if now is None else now
+    candidate = (select(Shard.id).join(Batch, Batch.id == Shard.batch_id)
+                 .where(Shard.status == ShardStatus.PENDING, Batch.status == BatchStatus.IN_PROGRESS,
+                        func.coalesce(Shard.enqueued_at, 0) < waiting_since)
+                 .order_by(Batch.created_at, Shard.batch_id, Shard.seq).limit(1)
+                 .with_for_update(of=Shard, skip_locked=True))
+    shard_id = s.scalar(candidate)
+    return None if shard_id is None else claim_shard(s, shard_id, owner, lease_seconds, device=device, now=now)
+
+
+_RESULT_COLUMNS = ("status", "response_status_code", "response_body", "error_code", "error_message", "finish_reason",
+                   "prompt_tokens", "cached_tokens", "completion_tokens", "engine_seconds", "first_token_at")
+_table = Request.__table__
+_WRITE_RESULT = (_table.update()
+                 .where(_table.c.id == bindparam("r_id"), _table.c.status == RequestStatus.PENDING)
+                 .values({**{_table.c[name]: bindparam(f"r_{name}") for name in _RESULT_COLUMNS},
+                          _table.c.finished_at: bindparam("r_finished_at"), _table.c.worker: bindparam("r_worker"),
+                          _table.c.device: bindparam("r_device"), _table.c.attempt: bindparam("r_attempt"),
+                          _table.c.started_at: bindparam("r_started_at")}))
+
+
 def write_results(s: Session, lease: Lease, results: list[RequestResult], lease_seconds: float, *,
                   device: Optional[str] = None) -> int:
-    """Write terminal results under the lease; returns how many rows moved (a request already
-    terminal is skipped). Raises LeaseLost, having written nothing, if the lease is gone: the
-    caller's transaction then rolls back."""
+    """Write terminal results under the lease, in bulk; returns how many rows moved (a request
+    already terminal is skipped). Raises LeaseLost, having written nothing, if the lease is gone.
+
+    The lease is re-asserted first, which holds the shard row until commit: a cancel or expiry
+    drains the shard's requests only after it, so the pending rows read next stay pending until
+    this transaction ends. Those rows are then updated in one executemany, and the shard's
+    counters by exactly what moved, in the same transaction."""
     if not results:
         return 0
     now = time.time()
-    written = completed = failed = prompt = cached = completion = 0
-    engine_seconds = 0.0
     renew_lease(s, lease, lease_seconds, now)
-    for r in results:
-        res = s.execute(
-            update(Request)
-            .where(Request.id == r.request_id, Request.shard_id == lease.shard_id,
-                   Request.status == RequestStatus.PENDING)
-            .values(status=r.status, response_status_code=r.response_status_code, response_body=r.response_body,
-                    error_code=r.error_code, error_message=r.error_message, finish_reason=r.finish_reason,
-                    prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
-                    completion_tokens=r.completion_tokens, engine_seconds=r.engine_seconds,
-                    worker=lease.owner, device=device, attempt=lease.attempt, started_at=lease.started_at,
-                    first_token_at=r.first_token_at, finished_at=r.finished_at or now))
-        if res.rowcount != 1:
-            continue
-        written += 1
-        completed += r.status == RequestStatus.COMPLETED
-        failed += r.status == RequestStatus.FAILED
-        prompt += r.prompt_tokens
-        cached += r.cached_tokens
-        completion += r.completion_tokens
-        engine_seconds += r.engine_seconds
-    if written:
-        s.execute(update(Shard).where(Shard.id == lease.shard_id).values(
-            completed_count=Shard.completed_count + completed, failed_count=Shard.failed_count + failed,
-            prompt_tokens=Shard.prompt_tokens + prompt, prefix_hit_tokens=Shard.prefix_hit_tokens + cached,
-            completion_tokens=Shard.completion_tokens + completion,
-            engine_seconds=Shard.engine_seconds + engine_seconds))
-    return written
+    by_id = {r.request_id: r for r in results}
+    pending = set(s.scalars(select(Request.id).where(Request.id.in_(list(by_id)), Request.shard_id == lease.shard_id,
+                                                     Request.status == RequestStatus.PENDING)))
+    moving = [r for request_id, r in by_id.items() if request_id in pending]
+    if not moving:
+        return 0
+    s.execute(_WRITE_RESULT, [{"r_id": r.request_id, **{f"r_{name}": getattr(r, name) for name in _RESULT_COLUMNS},
+                               "r_finished_at": r.finished_at or now, "r_worker": lease.owner, "r_device": device,
+                               "r_attempt": lease.attempt, "r_started_at": lease.started_at} for r in moving])
+    s.execute(update(Shard).where(Shard.id == lease.shard_id).values(
+        completed_count=Shard.completed_count + sum(r.status == RequestStatus.COMPLETED for r in moving),
+        failed_count=Shard.failed_count + sum(r.status == RequestStatus.FAILED for r in moving),
+        prompt_tokens=Shard.prompt_tokens + sum(r.prompt_tokens for r in moving),
+        prefix_hit_tokens=Shard.prefix_hit_tokens + sum(r.cached_tokens for r in moving),
+        completion_tokens=Shard.completion_tokens + sum(r.completion_tokens for r in moving),
+        engine_seconds=Shard.engine_seconds + sum(r.engine_seconds for r in moving)))
+    return len(moving)
 
 
 def pending_requests(s: Session, lease: Lease) -> list[Request]:

@@ -1,11 +1,12 @@
 """Prefix-grouped shard planning.
 
 Requests are sorted by their prompt token ids, so prompts that share a prefix (a system
-prompt, a few-shot header) sit next to each other, then cut greedily into shards whose
-planned tokens (prompt + max_tokens) stay within a budget. One shard runs as one
-``Engine.generate`` call, so the engine's prefix cache sees the shared blocks together.
-A cut prefers a point where the shared prefix with the next request is short, so a group
-is not split when a nearby boundary keeps it whole.
+prompt, a few-shot header) sit next to each other, then cut greedily into shards of at most
+``max_requests`` requests whose planned tokens (prompt + max_tokens) stay within a budget.
+Shards are the unit several engine workers share a batch by; a worker streams one shard after
+another through its engine, so neighbouring shards still meet in its prefix cache. A cut
+prefers a point where the shared prefix with the next request is short, so a group is not
+split when a nearby boundary keeps it whole.
 """
 from __future__ import annotations
 
@@ -29,19 +30,20 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def plan_shards(prompts: Sequence[Sequence[int]], max_tokens: Sequence[int], token_budget: int,
-                lookback: int = 32) -> list[PlannedShard]:
-    """Group item indexes into shards of at most ``token_budget`` planned tokens (an item bigger
-    than the budget gets a shard of its own). ``lookback`` bounds how far back a cut may move to
-    land between two requests that share less prefix."""
-    if token_budget < 1:
-        raise ValueError("token_budget must be positive")
+                max_requests: int, lookback: int = 32) -> list[PlannedShard]:
+    """Group item indexes into shards of at most ``max_requests`` items and ``token_budget``
+    planned tokens (an item bigger than the budget gets a shard of its own). ``lookback`` bounds
+    how far back a cut may move to land between two requests that share less prefix."""
+    if token_budget < 1 or max_requests < 1:
+        raise ValueError("token_budget and max_requests must be positive")
     order = sorted(range(len(prompts)), key=lambda i: prompts[i])
     costs = [len(prompts[i]) + max(0, max_tokens[i]) for i in order]
     shards: list[PlannedShard] = []
     start = 0
     while start < len(order):
         end, total = start, 0
-        while end < len(order) and (end == start or total + costs[end] <= token_budget):
+        while end < len(order) and (end == start or (total + costs[end] <= token_budget
+                                                     and end - start < max_requests)):
             total += costs[end]
             end += 1
         if end < len(order) and end - start > 1:
