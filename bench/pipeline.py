@@ -206,7 +206,7 @@ def pipeline_run(env: dict[str, str], lines: list[dict], engine_workers: int, ti
     app = make_celery(settings)
     wenv = service_env(**{k[len("NIGHTSHIFT_"):].lower(): v for k, v in env.items()})
     workers = [start_worker(wenv, "gpu", f"bench-gpu{i}", log_dir / f"gpu-{i}.log") for i in range(engine_workers)]
-    workers.append(start_worker(wenv, "cpu", "bench-cpu", log_dir / "cpu.log", beat=True))
+    workers.append(start_worker(wenv, "cpu,upkeep", "bench-cpu", log_dir / "cpu.log", beat=True))
     try:
         # Before the clock starts, every engine worker loads its model and runs a batch of a few
         # shards with short answers (one-time costs: model load, compiled SQL, kernel builds).

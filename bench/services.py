@@ -149,7 +149,7 @@ def running_service(shape: str, *, api_workers: int = 2, **settings: object) -> 
                 # nice 10, as `nightshift serve` runs it: on one machine the engine stands in for a
                 # separate engine host and must not take the API's CPU.
                 started["gpu"] = procs.start_worker(env, "gpu", "bench-gpu", work / "gpu.log", nice=10)
-                started["cpu"] = procs.start_worker(env, "cpu", "bench-cpu", work / "cpu.log", beat=True)
+                started["cpu"] = procs.start_worker(env, "cpu,upkeep", "bench-cpu", work / "cpu.log", beat=True)
             else:
                 raise ValueError(f"unknown shape {shape!r}")
             front = started.get("serve") or started["api"]

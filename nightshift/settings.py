@@ -34,6 +34,15 @@ class Settings(BaseSettings):
     s3_secret_access_key: Optional[str] = None
     s3_addressing_style: Literal["auto", "path", "virtual"] = "auto"
     s3_multipart_chunk_bytes: int = 8 * 1024 * 1024
+    s3_create_bucket: bool = True                # a missing bucket is created at start-up (else: a clear error)
+    # Every S3 call gives up after a few bounded tries instead of hanging on a stalled endpoint.
+    s3_connect_timeout_seconds: float = 5.0
+    s3_read_timeout_seconds: float = 30.0
+    s3_max_attempts: int = 3
+    # Incomplete multipart uploads (an upload whose process died) and half-written local objects
+    # older than this are removed by the upkeep sweep (an upload in progress is younger).
+    abandoned_upload_seconds: float = 6 * 3600
+    storage_sweep_interval_seconds: float = 3600.0
 
     # --- model / engine ---------------------------------------------------------------
     model: str = "default"                       # engine.resolve_model() argument
@@ -64,13 +73,21 @@ class Settings(BaseSettings):
     # drains and ends the task (so a warm shutdown waits at most about that long plus the drain).
     claim_ahead_after_seconds: float = 0.25
     engine_stream_seconds: float = 60.0
-    lease_seconds: float = 120.0                 # a shard lease lives this long without heartbeat
-    heartbeat_seconds: float = 10.0
+    # A lease runs out this long after its holder's last heartbeat: six missed heartbeats (a
+    # database hiccup, a long GC pause) before a live worker is taken for dead, while a dead one's
+    # shard is re-sent within lease_seconds + reconcile_interval_seconds. Longer leases survive
+    # longer stalls but recover a dead worker's work later.
+    lease_seconds: float = 30.0
+    heartbeat_seconds: float = 5.0
     result_flush_seconds: float = 0.25           # results are written in small transactions
     result_flush_rows: int = 64
     max_shard_attempts: int = 5                  # then its unrun requests become error lines
-    requeue_pending_after_seconds: float = 60.0  # re-send a pending shard's message (lost wake-up)
-    reconcile_interval_seconds: float = 15.0
+    # A pending shard whose wake-up is not waiting in the broker's queue (lost with a Redis
+    # restart, or a filesystem message taken by a worker that died) is re-sent after this long;
+    # where the queue cannot be read, after requeue_pending_after_seconds.
+    requeue_missing_after_seconds: float = 5.0
+    requeue_pending_after_seconds: float = 60.0
+    reconcile_interval_seconds: float = 5.0
     expire_interval_seconds: float = 30.0
     broker_visibility_timeout: int = 6 * 3600    # Redis: longer than the longest shard
     broker_polling_interval: float = 0.05        # filesystem:// broker: a wake-up waits half this on average

@@ -14,6 +14,7 @@ from nightshift.api.routes import batches, costs, files, schedules
 from nightshift.jobs.projects.api_keys import ensure_key
 from nightshift.settings import get_settings
 from nightshift.storage.db import session_scope
+from nightshift.storage.objectstore import get_object_store
 
 UPLOAD_SLACK_BYTES = 1024 * 1024   # multipart framing around the file part
 
@@ -24,6 +25,7 @@ async def _lifespan(app: FastAPI):  # noqa: ANN202
     if settings.bootstrap_key:  # a known key for scripts and the embedded default
         with session_scope(settings.resolved_database_url) as session:
             ensure_key(session, settings.bootstrap_project, settings.bootstrap_key)
+    get_object_store(settings)   # an unreachable or missing bucket stops the start, with the reason
     app.state.database = RequestDatabase(settings)
     yield
 

@@ -1,8 +1,9 @@
 """``nightshift serve``: the whole service in one process tree.
 
-The API runs in this process (uvicorn); two Celery workers run as children: one for the
-``gpu`` queue (the engine, one task at a time) and one for the ``cpu`` queue with the beat
-scheduler inside it (ingest, finalize, cancel, reconcile, expiry). With no URLs configured
+The API runs in this process (uvicorn); three Celery workers run as children: one for the
+``gpu`` queue (the engine, one task at a time), one for the ``cpu`` queue (ingest, finalize,
+cancel) and one for the ``upkeep`` queue with the beat scheduler inside it (reconcile, expiry,
+schedules, storage sweep). With no URLs configured
 that is SQLite, a local folder and kombu's ``filesystem://`` broker under NIGHTSHIFT_HOME —
 the same code paths as production, where each part runs on its own machines.
 """
@@ -21,7 +22,10 @@ from nightshift.workers import procs
 
 # The engine worker runs at a lower CPU priority: on one machine the API must answer polls
 # promptly while the engine keeps every core busy; with the API idle the engine loses nothing.
-WORKERS = {"gpu": {"queues": "gpu", "nice": 10}, "cpu": {"queues": "cpu", "beat": True}}
+# The upkeep worker (reconcile, expiry, schedules, sweeps; with beat) has its own process, so a
+# finalize stuck on a slow object store never holds up recovery.
+WORKERS = {"gpu": {"queues": "gpu", "nice": 10}, "cpu": {"queues": "cpu"},
+           "upkeep": {"queues": "upkeep", "beat": True}}
 
 
 def local_key(settings: Settings) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -58,6 +59,20 @@ class LocalDirStore:
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+    def sweep_abandoned(self, older_than_seconds: float) -> int:
+        """Remove temporary files of writes that never finished (a process killed mid-write)
+        older than ``older_than_seconds``; returns how many."""
+        cutoff = time.time() - older_than_seconds
+        removed = 0
+        for tmp in self.root.rglob(".tmp-*"):
+            try:
+                if tmp.is_file() and tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                pass
+        return removed
 
     def size(self, key: str) -> int:
         path = self._path(key)

@@ -25,6 +25,10 @@ class ObjectStore(Protocol):
 
     def size(self, key: str) -> int: ...
 
+    def sweep_abandoned(self, older_than_seconds: float) -> int:
+        """Remove what writes that never finished left behind (incomplete multipart uploads,
+        temporary files) older than that; returns how many."""
+
 
 class IterableReader(io.RawIOBase):
     """A read-only file object over an iterable of byte chunks (for boto3's upload_fileobj)."""

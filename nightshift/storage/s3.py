@@ -2,6 +2,7 @@
 transfers, so a 200 MB file streams through in fixed-size parts."""
 from __future__ import annotations
 
+import time
 from typing import Iterator
 
 import boto3
@@ -70,10 +71,36 @@ class S3Store:
             aws_access_key_id=settings.s3_access_key_id,
             aws_secret_access_key=settings.s3_secret_access_key,
             config=Config(region_name=settings.s3_region, signature_version="s3v4",
-                          retries={"mode": "standard", "max_attempts": 5},
+                          connect_timeout=settings.s3_connect_timeout_seconds,
+                          read_timeout=settings.s3_read_timeout_seconds,
+                          retries={"mode": "standard", "max_attempts": settings.s3_max_attempts},
                           s3={"addressing_style": settings.s3_addressing_style}),
         )
-        return cls(client, settings.s3_bucket, settings.s3_prefix, settings.s3_multipart_chunk_bytes)
+        store = cls(client, settings.s3_bucket, settings.s3_prefix, settings.s3_multipart_chunk_bytes)
+        store.ensure_bucket(create=settings.s3_create_bucket, region=settings.s3_region)
+        return store
+
+    def ensure_bucket(self, *, create: bool, region: str) -> None:
+        """Check the bucket is there and reachable, creating it if it is missing and ``create``;
+        otherwise fail now with a message that says what to fix (not at the first upload)."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+            return
+        except ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code"))
+            if code not in ("404", "NoSuchBucket", "NotFound"):
+                raise RuntimeError(f"S3 bucket {self.bucket!r} is not accessible ({code}): check "
+                                   "NIGHTSHIFT_S3_ACCESS_KEY_ID / NIGHTSHIFT_S3_SECRET_ACCESS_KEY and the bucket "
+                                   "policy") from e
+        if not create:
+            raise RuntimeError(f"S3 bucket {self.bucket!r} does not exist: create it, or set "
+                               "NIGHTSHIFT_S3_CREATE_BUCKET=true to let Nightshift create it")
+        options = {} if region == "us-east-1" else {"CreateBucketConfiguration": {"LocationConstraint": region}}
+        try:
+            self.client.create_bucket(Bucket=self.bucket, **options)
+        except ClientError as e:
+            if str(e.response.get("Error", {}).get("Code")) not in ("BucketAlreadyOwnedByYou",):
+                raise RuntimeError(f"S3 bucket {self.bucket!r} does not exist and could not be created: {e}") from e
 
     def _key(self, key: str) -> str:
         return self.prefix + key
@@ -110,6 +137,22 @@ class S3Store:
             if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
                 return False
             raise
+
+    def sweep_abandoned(self, older_than_seconds: float) -> int:
+        """Abort the incomplete multipart uploads under this store's prefix that began more than
+        ``older_than_seconds`` ago (a process that died mid-upload leaves its parts billed and
+        invisible); returns how many. A bucket lifecycle rule (AbortIncompleteMultipartUpload)
+        does the same on S3 itself."""
+        cutoff = time.time() - older_than_seconds
+        aborted = 0
+        for page in self.client.get_paginator("list_multipart_uploads").paginate(Bucket=self.bucket,
+                                                                                Prefix=self.prefix):
+            for upload in page.get("Uploads", []):
+                if upload["Initiated"].timestamp() < cutoff:
+                    self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
+                                                       UploadId=upload["UploadId"])
+                    aborted += 1
+        return aborted
 
     def size(self, key: str) -> int:
         try:

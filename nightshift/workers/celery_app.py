@@ -3,11 +3,13 @@
 Postgres is the truth; messages are wake-ups (docs/architecture.md). ``acks_late`` + prefetch 1 so a
 worker holds one shard at a time and a crash re-delivers (Redis) — and if the message is
 lost anyway (filesystem broker), the reconciler on beat re-sends from database state.
-Queues: ``cpu`` (ingest, finalize, cancel, reconcile, expire, schedules) and ``gpu``
-(run_shard). Start: ``celery -A nightshift.workers.celery_app worker -Q gpu -c 1`` on engine
-hosts, ``celery -A nightshift.workers.celery_app worker -Q cpu`` and
-``celery -A nightshift.workers.celery_app beat`` elsewhere. Importing this module has no side
-effects beyond reading the settings.
+Queues: ``gpu`` (run_shard), ``cpu`` (ingest, finalize, cancel, a schedule run's start: work
+that may wait on the object store for long) and ``upkeep`` (the beat's reconcile, expiry,
+schedules tick and storage sweep: short, and never stuck behind a slow finalize). Start
+``celery -A nightshift.workers.celery_app worker -Q gpu -c 1`` on engine hosts,
+``... worker -Q cpu`` and ``... worker -Q upkeep -c 1`` plus ``... beat`` elsewhere. A beat tick
+that waited longer than its interval is dropped (the next one does the same work). Importing
+this module has no side effects beyond reading the settings.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ TASK_RECONCILE = "nightshift.reconcile"
 TASK_EXPIRE = "nightshift.expire"
 TASK_SCHEDULES_TICK = "nightshift.schedules.tick"        # tasks of schedules: workers/schedule_tasks.py
 TASK_SCHEDULE_START_RUN = "nightshift.schedules.start_run"
+TASK_SWEEP_STORAGE = "nightshift.sweep_storage"
+UPKEEP_TASKS = (TASK_RECONCILE, TASK_EXPIRE, TASK_SCHEDULES_TICK, TASK_SWEEP_STORAGE)
 
 
 class EmbeddedBeatScheduler(PersistentScheduler):
@@ -48,17 +52,22 @@ def celery_config(settings: Settings) -> dict:
         "worker_prefetch_multiplier": 1,
         "task_ignore_result": True,
         "task_default_queue": "cpu",
-        "task_queues": (Queue("cpu"), Queue("gpu")),
-        "task_routes": {TASK_RUN_SHARD: {"queue": "gpu"}},
+        "task_queues": (Queue("cpu"), Queue("gpu"), Queue("upkeep")),
+        "task_routes": {TASK_RUN_SHARD: {"queue": "gpu"}, **{task: {"queue": "upkeep"} for task in UPKEEP_TASKS}},
         "worker_hijack_root_logger": False,
         "broker_connection_retry_on_startup": True,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # A broker blip must not stop a running shard stream: its results go to the database, and
+        # a redelivered copy of its message finds the shard leased (no second run, no reload).
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         "task_serializer": "json",
         "accept_content": ["json"],
         "beat_schedule": {
-            "reconcile": {"task": TASK_RECONCILE, "schedule": settings.reconcile_interval_seconds},
-            "expire": {"task": TASK_EXPIRE, "schedule": settings.expire_interval_seconds},
-            "schedules": {"task": TASK_SCHEDULES_TICK, "schedule": settings.schedule_tick_seconds},
+            name: {"task": task, "schedule": every, "options": {"queue": "upkeep", "expires": every}}
+            for name, task, every in (
+                ("reconcile", TASK_RECONCILE, settings.reconcile_interval_seconds),
+                ("expire", TASK_EXPIRE, settings.expire_interval_seconds),
+                ("schedules", TASK_SCHEDULES_TICK, settings.schedule_tick_seconds),
+                ("sweep-storage", TASK_SWEEP_STORAGE, settings.storage_sweep_interval_seconds))
         },
     }
     if settings.is_embedded_broker:

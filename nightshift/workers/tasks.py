@@ -15,7 +15,7 @@ from nightshift.storage.objectstore import get_object_store
 from nightshift.workers import dispatch
 from nightshift.workers.batch_upkeep import expire_due_batches, reconcile_batches
 from nightshift.workers.celery_app import (TASK_CANCEL, TASK_EXPIRE, TASK_FINALIZE, TASK_INGEST, TASK_RECONCILE,
-                                           TASK_RUN_SHARD, app)
+                                           TASK_RUN_SHARD, TASK_SWEEP_STORAGE, app)
 from nightshift.workers.engine_host import engine_device, get_engine, get_tokenizer, worker_identity
 from nightshift.workers.finalize import finalize_batch
 from nightshift.workers.ingest import ingest_batch
@@ -91,3 +91,13 @@ def expire_tick() -> list[str]:
     for batch_id in expired:
         dispatch.enqueue_finalize(batch_id)
     return expired
+
+
+@app.task(name=TASK_SWEEP_STORAGE)
+def sweep_storage() -> int:
+    """What uploads and writes that died midway left in the object store."""
+    settings = get_settings()
+    removed = get_object_store(settings).sweep_abandoned(settings.abandoned_upload_seconds)
+    if removed:
+        log.info("storage sweep: removed %d abandoned upload(s)", removed)
+    return removed

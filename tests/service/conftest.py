@@ -91,6 +91,55 @@ def s3_server():
     server.stop()
 
 
+class S3Process:
+    """moto's S3 server as its own process, which a test can pause (SIGSTOP) and resume: a
+    stalled object store, as a network partition or an overloaded endpoint looks to a client."""
+
+    def __init__(self, log_dir):  # noqa: ANN001
+        import subprocess
+        import sys
+
+        from bench.services import free_port, wait_http
+
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=open(log_dir / "moto.log", "wb"), stderr=subprocess.STDOUT)
+        wait_http(self.endpoint, self.proc, timeout=60)
+
+    def new_bucket(self) -> str:
+        import boto3
+
+        name = f"nightshift-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id="test",
+                     aws_secret_access_key="test").create_bucket(Bucket=name)
+        return name
+
+    def pause(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        import signal
+
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.resume()
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def s3_process(tmp_path):
+    server = S3Process(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def s3_bucket(s3_server):
     import boto3

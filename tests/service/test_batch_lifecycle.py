@@ -192,3 +192,59 @@ def test_reconciler_resends_lost_messages_and_gives_up_after_max_attempts(any_db
     with session_scope(any_db) as s:
         codes = s.scalars(select(Request.error_code).where(Request.batch_id == bid)).all()
     assert codes == ["shard_failed", "shard_failed"]
+
+
+def _finish_all(db_url: str, shards: list[int]) -> None:
+    for shard in shards:
+        lease = in_transaction(db_url, claim_shard, shard, "w", 30)
+        in_transaction(db_url, write_results, lease, [ok(r.id) for r in in_transaction(db_url, pending_requests, lease)],
+                       30)
+        assert in_transaction(db_url, complete_shard, lease)
+
+
+def test_two_finalizes_at_once_both_end_cleanly_and_nothing_empty_is_stored(any_db, settings, store):
+    """A finalize re-sent while the first still runs: the second finds the first's live lease and
+    leaves the work to it (or, if it comes after, finds the batch completed); neither fails,
+    one set of rows describes the objects, and a batch with no failed line gets no (empty)
+    errors.jsonl."""
+    import threading
+
+    bid, shards = make_running_batch(any_db, store, 4, 2)
+    _finish_all(any_db, shards)
+    with session_scope(any_db) as s:
+        assert start_finalize_if_done(s, bid)
+    outcomes, errors = [], []
+
+    def run():  # noqa: ANN202
+        try:
+            outcomes.append(finalize_batch(bid, settings=settings, store=store).status)
+        except Exception as exc:  # noqa: BLE001 - the test reports any failure
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and "completed" in outcomes and set(outcomes) <= {"completed", "finalizing"}
+    with session_scope(any_db) as s:
+        b = s.get(Batch, bid)
+        assert b.status == "completed" and b.finalize_lease_expires_at is None
+        assert b.error_file_id is None and b.output_file_id is not None
+        assert s.query(File).filter(File.purpose == "batch_output").count() == 3   # output, cost.json, cost.csv
+    assert not store.exists(f"batches/{bid}/errors.jsonl")
+    assert len(read_jsonl(store, bid, b.output_file_id, any_db)) == 4
+
+
+def test_a_finalize_with_a_live_lease_is_not_re_sent_one_that_ran_out_is(any_db, settings, store):
+    bid, shards = make_running_batch(any_db, store, 2, 1)
+    _finish_all(any_db, shards)
+    with session_scope(any_db) as s:
+        assert start_finalize_if_done(s, bid)
+    later = time.time() + 3600                           # long after the finalize message went out
+    with session_scope(any_db) as s:
+        s.execute(update(Batch).where(Batch.id == bid).values(finalize_lease_expires_at=later + 30))
+    with session_scope(any_db) as s:
+        assert bid not in reconcile(s, settings, now=later).finalize          # a finalize is running
+    with session_scope(any_db) as s:
+        assert bid in reconcile(s, settings, now=later + 60).finalize         # its lease ran out

@@ -41,7 +41,7 @@ def pipeline(pg_url, s3_server, tmp_path):
     service = Service(env, tmp_path)
     try:
         base_url = service.start_api(free_port())
-        service.start_worker("cpu", beat=True)
+        service.start_worker("cpu,upkeep", beat=True)
         service.start_worker("gpu")
         yield service, openai_client(base_url, key, timeout=60)
     finally:

@@ -61,7 +61,7 @@ def test_sigkill_mid_shard_reports_every_custom_id_exactly_once(pg_db, redis_url
     env = service_env(**conf)
     pid = make_project(pg_db)
     bid = make_batch(pg_db, pid, make_input_file(pg_db, store, pid, lines(N)))
-    cpu = start_worker(env, "cpu", "cpu", tmp_path / "cpu.log", beat=True)
+    cpu = start_worker(env, "cpu,upkeep", "cpu", tmp_path / "cpu.log", beat=True)
     gpu1 = start_worker(env, "gpu", "gpu1", tmp_path / "gpu1.log")
     gpu2 = None
     try:
@@ -105,7 +105,7 @@ def test_embedded_default_runs_the_same_pipeline(settings_env, tmp_path):
     env = service_env(home=home)
     pid = make_project(db_url)
     bid = make_batch(db_url, pid, make_input_file(db_url, store, pid, lines(3)))
-    worker = start_worker(env, "cpu,gpu", "embedded", tmp_path / "embedded.log", beat=True, concurrency=2)
+    worker = start_worker(env, "cpu,gpu,upkeep", "embedded", tmp_path / "embedded.log", beat=True, concurrency=2)
     try:
         make_celery(settings).send_task(TASK_INGEST, args=[bid], queue="cpu")
         wait_for(lambda: batch_status(db_url, bid) == "completed", 600, 1.0, "batch completed")
@@ -129,7 +129,7 @@ def test_two_engine_workers_share_a_batch_and_answer_each_line_once(pg_db, redis
     env = service_env(**conf)
     pid = make_project(pg_db)
     bid = make_batch(pg_db, pid, make_input_file(pg_db, store, pid, lines(8)))
-    procs = [start_worker(env, "cpu", "cpu", tmp_path / "cpu.log", beat=True)]
+    procs = [start_worker(env, "cpu,upkeep", "cpu", tmp_path / "cpu.log", beat=True)]
     procs += [start_worker(env, "gpu", f"gpu{i}", tmp_path / f"gpu{i}.log") for i in (1, 2)]
     try:
         for i in (1, 2):

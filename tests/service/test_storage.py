@@ -90,3 +90,27 @@ def test_migration_downgrade_roundtrip(tmp_path):
     assert set(sa.inspect(get_engine(url)).get_table_names()) <= {"alembic_version"}
     upgrade_head(url)
     assert "requests" in sa.inspect(get_engine(url)).get_table_names()
+
+
+def test_a_missing_bucket_is_created_or_refused_clearly(s3_server, settings_env):
+    import uuid
+
+    import boto3
+    import pytest
+
+    from nightshift.storage.objectstore import get_object_store, reset_object_store_cache
+
+    name = f"nightshift-new-{uuid.uuid4().hex[:10]}"
+    conf = dict(object_store="s3", s3_bucket=name, s3_endpoint_url=s3_server, s3_access_key_id="t",
+                s3_secret_access_key="t", s3_addressing_style="path")
+    settings_env(s3_create_bucket="false", **conf)
+    with pytest.raises(RuntimeError, match=f"S3 bucket '{name}' does not exist: create it, or set "
+                                           "NIGHTSHIFT_S3_CREATE_BUCKET=true"):
+        get_object_store()
+    reset_object_store_cache()
+    settings_env(s3_create_bucket="true", **conf)
+    store = get_object_store()
+    store.put_stream("k", b"v")
+    client = boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1", aws_access_key_id="t",
+                          aws_secret_access_key="t")
+    assert client.get_object(Bucket=name, Key="k")["Body"].read() == b"v"

@@ -2,8 +2,11 @@
 store, register them as files with the cost report, and move the batch to its terminal status.
 
 Three steps, each in the caller's transaction (``nightshift.workers.finalize`` owns them):
-``prepare_finalize`` (drain a cancelling batch, decide the terminal status), then
-``write_result_files`` (reads the rows, writes the objects), then ``complete_finalize``.
+``prepare_finalize`` (take the finalize lease, drain a cancelling batch, decide the terminal
+status), then ``write_result_files`` (reads the rows, writes the objects; the caller renews
+the lease meanwhile with ``renew_finalize_lease``), then ``complete_finalize``. The lease keeps
+a second finalize (a re-sent message) from running beside a live one; one whose holder died
+runs out, and the reconciler sends the finalize again.
 Idempotent: object keys and file ids are derived from the batch id, so a retried finalize
 overwrites its own objects and finds its own file rows; the last step is a conditional
 UPDATE from the status finalize started in.
@@ -16,13 +19,13 @@ from dataclasses import dataclass
 from typing import BinaryIO, Iterator, Optional
 
 import orjson
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
 from nightshift.jobs.batches.lifecycle import batch_status, drain_batch, final_status
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus
 from nightshift.jobs.costs.batch_costs import write_cost_files
-from nightshift.jobs.files.models import File
+from nightshift.jobs.files.service import upsert_result_file
 from nightshift.jobs.ids import batch_request_id, derived_id, response_request_id
 from nightshift.settings import Settings
 from nightshift.storage.objectstore import ObjectStore
@@ -57,17 +60,29 @@ class FinalizeOutcome:
     error_lines: int = 0
 
 
-def prepare_finalize(s: Session, batch_id: str, now: Optional[float] = None) -> Optional[FinalizePlan]:
-    """None if the batch is not finalizing or cancelling (nothing to do); a cancelling batch
-    has its unrun requests drained here."""
-    batch = s.get(Batch, batch_id)
+def prepare_finalize(s: Session, batch_id: str, lease_seconds: float,
+                     now: Optional[float] = None) -> Optional[FinalizePlan]:
+    """Take the batch's finalize lease and plan the finalize; None if the batch is not
+    finalizing or cancelling, or another finalize holds a live lease (nothing to do). A
+    cancelling batch has its unrun requests drained here."""
+    now = time.time() if now is None else now
+    taken = s.execute(update(Batch).where(
+        Batch.id == batch_id, Batch.status.in_(FINALIZABLE),
+        or_(Batch.finalize_lease_expires_at.is_(None), Batch.finalize_lease_expires_at < now))
+        .values(finalize_lease_expires_at=now + lease_seconds))
+    batch = s.get(Batch, batch_id, populate_existing=True)
     if batch is None:
         raise LookupError(batch_id)
-    if batch.status not in FINALIZABLE:
+    if taken.rowcount != 1:
         return None
     if batch.status == BatchStatus.CANCELLING:
         drain_batch(s, batch_id, "batch_cancelled", now)
     return FinalizePlan(batch_id, batch.project_id, batch.status, final_status(batch))
+
+
+def renew_finalize_lease(s: Session, batch_id: str, lease_seconds: float) -> None:
+    s.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(FINALIZABLE))
+              .values(finalize_lease_expires_at=time.time() + lease_seconds))
 
 
 def result_line(row: Request) -> tuple[bool, bytes]:
@@ -113,13 +128,20 @@ class _Splitter:
 
 def write_result_files(s: Session, store: ObjectStore, batch_id: str) -> ResultFiles:
     """Write output.jsonl and errors.jsonl from the batch's rows (every row must be terminal);
-    only reads the database."""
+    only reads the database. A file with no lines is not left in the store (its file id stays
+    null, as OpenAI leaves error_file_id null when nothing failed)."""
     out_key, err_key = f"batches/{batch_id}/output.jsonl", f"batches/{batch_id}/errors.jsonl"
     with tempfile.TemporaryFile() as error_spool:
         splitter = _Splitter(s, batch_id, error_spool)
         out_size = store.put_stream(out_key, splitter.output_chunks())
-        error_spool.seek(0)
-        err_size = store.put_stream(err_key, error_spool)
+        if not splitter.output_lines:
+            store.delete(out_key)
+        err_size = 0
+        if splitter.error_lines:
+            error_spool.seek(0)
+            err_size = store.put_stream(err_key, error_spool)
+        else:
+            store.delete(err_key)     # a retried finalize may find one from an earlier attempt
     return ResultFiles(out_key, out_size, splitter.output_lines, err_key, err_size, splitter.error_lines)
 
 
@@ -131,7 +153,8 @@ def complete_finalize(s: Session, store: ObjectStore, settings: Settings, plan: 
     now = time.time() if now is None else now
     out_id = derived_id("file-", plan.batch_id, "output") if files.output_lines else None
     err_id = derived_id("file-", plan.batch_id, "errors") if files.error_lines else None
-    values = {"status": plan.target, "output_file_id": out_id, "error_file_id": err_id}
+    values = {"status": plan.target, "output_file_id": out_id, "error_file_id": err_id,
+              "finalize_lease_expires_at": None}
     if plan.target in _STAMPS:  # expired_at was stamped when the window closed
         values[_STAMPS[plan.target]] = now
     res = s.execute(update(Batch).where(Batch.id == plan.batch_id, Batch.status == plan.from_status)
@@ -139,19 +162,10 @@ def complete_finalize(s: Session, store: ObjectStore, settings: Settings, plan: 
     if res.rowcount != 1:
         return FinalizeOutcome(batch_status(s, plan.batch_id))
     if out_id:
-        _register_file(s, out_id, plan.project_id, f"{plan.batch_id}_output.jsonl", files.output_key,
-                       files.output_bytes, files.output_lines, now)
+        upsert_result_file(s, file_id=out_id, project_id=plan.project_id, filename=f"{plan.batch_id}_output.jsonl",
+                           object_key=files.output_key, size=files.output_bytes, lines=files.output_lines, now=now)
     if err_id:
-        _register_file(s, err_id, plan.project_id, f"{plan.batch_id}_error.jsonl", files.error_key,
-                       files.error_bytes, files.error_lines, now)
+        upsert_result_file(s, file_id=err_id, project_id=plan.project_id, filename=f"{plan.batch_id}_error.jsonl",
+                           object_key=files.error_key, size=files.error_bytes, lines=files.error_lines, now=now)
     write_cost_files(s, store, s.get(Batch, plan.batch_id, populate_existing=True), settings=settings, now=now)
     return FinalizeOutcome(plan.target, files.output_lines, files.error_lines)
-
-
-def _register_file(s: Session, file_id: str, project_id: str, filename: str, key: str, size: int, lines: int,
-                   now: float) -> None:
-    if s.get(File, file_id) is None:
-        s.add(File(id=file_id, project_id=project_id, filename=filename, purpose="batch_output", bytes=size,
-                   object_key=key, status="processed", line_count=lines, created_at=now))
-    else:
-        s.execute(update(File).where(File.id == file_id).values(bytes=size, line_count=lines, deleted_at=None))

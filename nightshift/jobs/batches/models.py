@@ -74,6 +74,11 @@ class Batch(Base):
     planned_max_tokens: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     # Wake-up bookkeeping for the reconciler (when the last Celery message for this batch was sent)
     last_enqueued_at: Mapped[Optional[float]] = mapped_column(Float)
+    # A running finalize holds this lease (renewed while it writes); the reconciler re-sends the
+    # finalize of a finalizing batch only once it has run out.
+    finalize_lease_expires_at: Mapped[Optional[float]] = mapped_column(Float)
+    # Ingest runs that started; past max_ingest_attempts the batch fails instead of looping.
+    ingest_attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
     shards: Mapped[list["Shard"]] = relationship(back_populates="batch", order_by="Shard.seq")
 

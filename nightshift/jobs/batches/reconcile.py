@@ -3,11 +3,13 @@ leave behind, using only database state.
 
 - a running shard whose lease expired (its owner stopped heart-beating) goes back to
   pending and is re-sent; after ``max_shard_attempts`` its unrun requests become error lines;
-- a pending shard whose wake-up is older than ``requeue_pending_after_seconds`` is re-sent
-  (the embedded filesystem broker loses an in-flight message on SIGKILL);
-- an in_progress batch whose shards are all terminal moves to finalizing; a finalizing
-  batch whose finalize message is old is re-sent; a cancelling batch is drained + finalized;
-  a validating batch whose ingest message is old is re-sent.
+- a pending shard whose wake-up is not waiting in the broker's queue (the caller reads the
+  queue: ``queued``) is re-sent after ``requeue_missing_after_seconds``; where the queue cannot
+  be read, once its wake-up is older than ``requeue_pending_after_seconds``. A shard whose
+  wake-up still waits is left alone (no duplicate messages piling up);
+- an in_progress batch whose shards are all terminal moves to finalizing; a finalizing or
+  cancelling batch whose message is old and whose finalize holds no live lease is re-sent; a
+  validating batch whose ingest message is old is re-sent.
 Expiry is its own beat task (``nightshift.workers.batch_upkeep.expire_due_batches``): batches
 past their window are drained.
 Duplicated messages are harmless: every task re-checks state with a conditional UPDATE.
@@ -18,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from nightshift.jobs.batches.lifecycle import drain_shard, start_finalize_if_done
@@ -36,9 +38,11 @@ class Actions:
     cancel: list[str] = field(default_factory=list)
 
 
-def reconcile(s: Session, settings: Settings, now: Optional[float] = None) -> Actions:
+def reconcile(s: Session, settings: Settings, now: Optional[float] = None,
+              queued: Optional[set[int]] = None) -> Actions:
     """One pass over the database state; the messages to send are returned, to be sent once
-    the caller has committed."""
+    the caller has committed. ``queued``: the shard ids whose run_shard wake-up waits in the
+    broker's queue now (None: unknown)."""
     now = time.time() if now is None else now
     stale = now - settings.requeue_pending_after_seconds
     acts = Actions()
@@ -56,10 +60,13 @@ def reconcile(s: Session, settings: Settings, now: Optional[float] = None) -> Ac
                                 enqueued_at=now, last_error="lease expired (worker stopped heart-beating)"))
         if res.rowcount == 1:
             acts.run_shards.append(shard_id)
-    # 2. pending shards whose wake-up may be lost
+    # 2. pending shards whose wake-up is lost
+    sent_before = stale if queued is None else now - settings.requeue_missing_after_seconds
     for shard_id, attempt in s.execute(select(Shard.id, Shard.attempt).where(
-            Shard.status == ShardStatus.PENDING, func.coalesce(Shard.enqueued_at, 0) < stale,
+            Shard.status == ShardStatus.PENDING, func.coalesce(Shard.enqueued_at, 0) < sent_before,
             Shard.batch_id.in_(live_batch))).all():
+        if queued is not None and shard_id in queued:
+            continue
         if attempt >= settings.max_shard_attempts:
             drain_shard(s, shard_id, "shard_failed", now)
             continue
@@ -69,11 +76,12 @@ def reconcile(s: Session, settings: Settings, now: Optional[float] = None) -> Ac
     for (batch_id,) in s.execute(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)).all():
         if start_finalize_if_done(s, batch_id, now):
             acts.finalize.append(batch_id)
-    # 4. lost finalize / cancel / ingest messages
+    # 4. lost finalize / cancel / ingest messages (a finalize holding a live lease is running)
     last_sent = func.coalesce(Batch.last_enqueued_at, Batch.created_at)
+    no_live_finalize = or_(Batch.finalize_lease_expires_at.is_(None), Batch.finalize_lease_expires_at < now)
     for status, bucket in ((BatchStatus.FINALIZING, acts.finalize), (BatchStatus.CANCELLING, acts.cancel),
                            (BatchStatus.VALIDATING, acts.ingest)):
-        ids = list(s.scalars(select(Batch.id).where(Batch.status == status, last_sent < stale)))
+        ids = list(s.scalars(select(Batch.id).where(Batch.status == status, last_sent < stale, no_live_finalize)))
         if ids:
             s.execute(update(Batch).where(Batch.id.in_(ids)).values(last_enqueued_at=now))
             bucket.extend(i for i in ids if i not in bucket)

@@ -19,6 +19,7 @@ from nightshift.jobs.batches.models import Batch, BatchStatus, Request
 from nightshift.jobs.costs.accounting import RequestUsage, prices_from_settings
 from nightshift.jobs.costs.cost_report import build_cost_report, cost_csv
 from nightshift.jobs.files.models import File
+from nightshift.jobs.files.service import upsert_result_file
 from nightshift.jobs.ids import derived_id
 from nightshift.settings import Settings
 from nightshift.storage.objectstore import ObjectStore
@@ -66,17 +67,6 @@ def live_cost_report(session: Session, batch: Batch, settings: Settings, now: Op
     return report
 
 
-def _upsert_file(session: Session, *, file_id: str, batch: Batch, filename: str, key: str,
-                 size: int, now: float) -> None:
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    stmt = insert(File).values(id=file_id, project_id=batch.project_id, filename=filename,
-                               purpose="batch_output", bytes=size, object_key=key,
-                               status="processed", created_at=now)
-    session.execute(stmt.on_conflict_do_update(index_elements=["id"],
-                                               set_={"bytes": size, "object_key": key}))
-
-
 def write_cost_files(session: Session, store: ObjectStore, batch: Batch, *, settings: Settings,
                      now: float) -> dict:
     """Write cost.json and cost.csv for a batch and register them as files (idempotent).
@@ -92,8 +82,8 @@ def write_cost_files(session: Session, store: ObjectStore, batch: Batch, *, sett
     for file_id, name, data in payloads:
         key = cost_object_key(batch.id, name)
         size = store.put_stream(key, data)
-        _upsert_file(session, file_id=file_id, batch=batch, filename=f"{batch.id}_{name}",
-                     key=key, size=size, now=now)
+        upsert_result_file(session, file_id=file_id, project_id=batch.project_id, filename=f"{batch.id}_{name}",
+                           object_key=key, size=size, now=now)
     return report
 
 

@@ -5,6 +5,7 @@ import time
 from typing import Iterator, Optional
 
 from sqlalchemy import select, tuple_
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from nightshift.jobs.errors import NotFound
@@ -53,3 +54,16 @@ def file_content(store: ObjectStore, row: File) -> Iterator[bytes]:
         return store.get_stream(row.object_key)
     except KeyError:
         raise NotFound("file", row.id) from None
+
+
+def upsert_result_file(session: Session, *, file_id: str, project_id: str, filename: str, object_key: str,
+                       size: int, now: float, lines: Optional[int] = None) -> None:
+    """Register a file the service wrote for a project (batch output, errors, cost report) under
+    a derived id: one INSERT ... ON CONFLICT, so two finalizes at once (a retried message racing
+    the first) both succeed and leave one row describing the object."""
+    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    stmt = insert(File).values(id=file_id, project_id=project_id, filename=filename, purpose="batch_output",
+                               bytes=size, object_key=object_key, status="processed", line_count=lines,
+                               created_at=now)
+    session.execute(stmt.on_conflict_do_update(index_elements=["id"], set_={
+        "bytes": size, "object_key": object_key, "line_count": lines, "deleted_at": None}))
