@@ -129,6 +129,38 @@ async def _uploads(base_url: str, key: str, count: int, lines: int) -> Samples:
     return samples
 
 
+async def _slow_readers(base_url: str, key: str, file_id: str, readers: int, seconds: float,
+                        bytes_per_second: float) -> Samples:
+    """``readers`` clients downloading one file at ``bytes_per_second`` each, again and again,
+    for ``seconds``: what a slow network or a slow consumer does to the API. Each download is
+    timed to its first byte (answering) and its outcome counted; the transfer itself is slow by
+    design."""
+    samples = Samples()
+    kind = "GET /v1/files/{id}/content (slow)"
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"},
+                                     timeout=aiohttp.ClientTimeout(total=None, sock_read=60),
+                                     connector=aiohttp.TCPConnector(limit=readers)) as http:
+        async def reader() -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                started = time.perf_counter()
+                try:
+                    async with http.get(f"{base_url}/files/{file_id}/content") as response:
+                        first = None
+                        async for chunk in response.content.iter_chunked(16384):
+                            first = first or time.perf_counter() - started
+                            await asyncio.sleep(len(chunk) / bytes_per_second)
+                            if time.monotonic() > end:
+                                break
+                        samples.add(kind, first if first is not None else time.perf_counter() - started,
+                                    str(response.status))
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    samples.add(kind, time.perf_counter() - started, type(exc).__name__)
+
+        await asyncio.gather(*(reader() for _ in range(readers)))
+    return samples
+
+
 def _create_batch(http: httpx.Client, data: bytes, name: str) -> str:
     file_id = http.post("/files", data={"purpose": "batch"}, files={"file": (name, data)}).raise_for_status().json()["id"]
     return http.post("/batches", json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
@@ -200,6 +232,18 @@ def run(args: argparse.Namespace) -> Samples:
         processes = max(1, min(args.processes, args.clients))
         shares = [args.clients // processes + (i < args.clients % processes) for i in range(processes)]
         samples = Samples()
+        readers = None
+        if args.slow_readers:
+            line = orjson.dumps({"custom_id": "d", "method": "POST", "url": CHAT, "body": {
+                "model": "default", "messages": [{"role": "user", "content": "x" * 1000}]}}) + b"\n"
+            big = line * max(1, int(args.reader_file_mb * 1e6 / len(line)))
+            file_id = http.post("/files", data={"purpose": "batch"},
+                                files={"file": ("download.jsonl", big)}).raise_for_status().json()["id"]
+            readers = concurrent.futures.ThreadPoolExecutor(1).submit(
+                asyncio.run, _slow_readers(service.base_url, service.api_key, file_id, args.slow_readers,
+                                           args.seconds, args.reader_kbps * 1000))
+            print(f"{args.slow_readers} slow readers of a {len(big) / 1e6:.1f} MB file at {args.reader_kbps} kB/s each",
+                  flush=True)
         started = time.perf_counter()
         with concurrent.futures.ProcessPoolExecutor(processes) as pool:
             polls = [pool.submit(_poll_process, (service.base_url, service.api_key, batch_id, n, args.seconds,
@@ -209,6 +253,8 @@ def run(args: argparse.Namespace) -> Samples:
                                                    args.upload_lines)))
             for poll in polls:
                 samples.merge(poll.result())
+        if readers is not None:
+            samples.merge(readers.result())
         elapsed = time.perf_counter() - started
         batch = http.get(f"/batches/{batch_id}").json()
         print(f"\n{args.clients} polling clients (interval {args.interval}s) for {args.seconds:.0f}s, "
@@ -236,6 +282,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between a client's polls")
     parser.add_argument("--uploads", type=int, default=20)
     parser.add_argument("--upload-lines", type=int, default=1000)
+    parser.add_argument("--slow-readers", type=int, default=0,
+                        help="clients downloading a large file slowly during the load (0: none)")
+    parser.add_argument("--reader-kbps", type=float, default=320, help="each slow reader's rate, kB/s")
+    parser.add_argument("--reader-file-mb", type=float, default=19.5, help="size of the file the slow readers fetch")
     parser.add_argument("--big-file-lines", type=int, default=50_000)
     parser.add_argument("--batch-requests", type=int, default=256, help="0: no batch runs during the load")
     parser.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) // 2),

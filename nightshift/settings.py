@@ -31,7 +31,7 @@ class Settings(BaseSettings):
     s3_endpoint_url: Optional[str] = None
     s3_region: str = "us-east-1"
     s3_access_key_id: Optional[str] = None
-    s3_secret_access_key: Optional[str] = None
+    s3_secret_access_key: Optional[str] = Field(default=None, repr=False)   # never in a printed Settings
     s3_addressing_style: Literal["auto", "path", "virtual"] = "auto"
     s3_multipart_chunk_bytes: int = 8 * 1024 * 1024
     s3_create_bucket: bool = True                # a missing bucket is created at start-up (else: a clear error)
@@ -43,6 +43,8 @@ class Settings(BaseSettings):
     # older than this are removed by the upkeep sweep (an upload in progress is younger).
     abandoned_upload_seconds: float = 6 * 3600
     storage_sweep_interval_seconds: float = 3600.0
+    # Files past their expires_at are removed from the store and marked deleted this often.
+    expired_files_gc_interval_seconds: float = 3600.0
 
     # --- model / engine ---------------------------------------------------------------
     model: str = "default"                       # engine.resolve_model() argument
@@ -68,6 +70,11 @@ class Settings(BaseSettings):
     # several engine workers share a batch; an engine worker keeps its engine full across shards.
     shard_max_requests: int = 128
     shard_token_budget: int = 65_536
+    # A batch is planned into at least this many shards (set it to at least the number of engine
+    # workers you run, so they all share a batch), as long as no shard then holds fewer than
+    # shard_min_requests requests: a 100-request batch becomes 4 shards of 25, a 40-request one 2 of 20.
+    shard_min_count: int = Field(default=4, ge=1)
+    shard_min_requests: int = Field(default=16, ge=1)
     # A busy engine worker takes ahead a pending shard whose wake-up has waited this long (no idle
     # worker took it), and keeps doing so for engine_stream_seconds after its task began; then it
     # drains and ends the task (so a warm shutdown waits at most about that long plus the drain).
@@ -82,6 +89,9 @@ class Settings(BaseSettings):
     result_flush_seconds: float = 0.25           # results are written in small transactions
     result_flush_rows: int = 64
     max_shard_attempts: int = 5                  # then its unrun requests become error lines
+    # Ingest attempts of a batch (counted as each starts); an ingest still failing after this many
+    # (or whose attempts all died) fails the batch with the last error instead of looping.
+    max_ingest_attempts: int = Field(default=3, ge=1)
     # A pending shard whose wake-up is not waiting in the broker's queue (lost with a Redis
     # restart, or a filesystem message taken by a worker that died) is re-sent after this long;
     # where the queue cannot be read, after requeue_pending_after_seconds.
@@ -105,8 +115,15 @@ class Settings(BaseSettings):
     # get this long before they are stopped (a shard stopped midway is re-run from its lease).
     shutdown_seconds: float = 3.0
 
+    # --- webhooks ----------------------------------------------------------------------
+    webhook_timeout_seconds: float = 10.0        # per delivery attempt
+    webhook_max_attempts: int = 8                # then the delivery is marked failed
+    webhook_retry_base_seconds: float = 10.0     # backoff: base, 2x, 4x, ... (at most an hour)
+    webhook_tick_seconds: float = 5.0            # beat: send due deliveries this often
+
     # --- API ---------------------------------------------------------------------------
-    bootstrap_key: Optional[str] = None          # made a valid key of bootstrap_project at start-up
+    # made a valid key of bootstrap_project at start-up (never in a printed Settings)
+    bootstrap_key: Optional[str] = Field(default=None, repr=False)
     bootstrap_project: str = "default"
 
     # --- cost accounting and schedules -----------------------------------------------

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
 from sqlalchemy import text
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nightshift.api.database import RequestDatabase
 from nightshift.api.deps import DatabaseDep
-from nightshift.api.errors import error_response, install_error_handlers
-from nightshift.api.routes import batches, costs, files, schedules
+from nightshift.api.errors import error_response, install_error_handlers, refuse_unstorable_input
+from nightshift.api.metrics import RequestMetrics, metrics_body, metrics_response, queue_depths, service_state
+from nightshift.api.routes import batches, costs, files, schedules, webhooks
 from nightshift.jobs.projects.api_keys import ensure_key
 from nightshift.settings import get_settings
 from nightshift.storage.db import session_scope
@@ -51,13 +54,22 @@ class RefuseOversizedUploads:
 
 def create_app() -> FastAPI:
     app = FastAPI(title="Nightshift", version="0.1.0", lifespan=_lifespan,
-                  description="Self-hosted, OpenAI-compatible batch inference (/v1/files, /v1/batches).")
+                  description="Self-hosted, OpenAI-compatible batch inference (/v1/files, /v1/batches).",
+                  dependencies=[Depends(refuse_unstorable_input)])   # NUL in ids, queries, bodies: 404/400
     install_error_handlers(app)
     app.add_middleware(RefuseOversizedUploads)
+    app.add_middleware(RequestMetrics)
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(costs.router)
     app.include_router(schedules.router)
+    app.include_router(webhooks.router)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics(database: DatabaseDep) -> Response:
+        state = await database.run(service_state, read_only=True)
+        body = await run_in_threadpool(lambda: metrics_body(state, queue_depths()))
+        return metrics_response(body)
 
     @app.get("/health", include_in_schema=False)
     async def health(database: DatabaseDep) -> dict:

@@ -86,6 +86,10 @@ class BatchClient:
                                                     "endpoint": endpoint or first_line_url(path),
                                                     "completion_window": "24h"}).json()
 
+    def retry(self, batch_id: str, error_codes: Optional[list[str]] = None) -> dict:
+        body = {"error_codes": error_codes} if error_codes else {}
+        return self._call("POST", f"/batches/{batch_id}/retry", json=body).json()
+
     def batch(self, batch_id: str) -> dict:
         return self._call("GET", f"/batches/{batch_id}").json()
 

@@ -10,6 +10,7 @@ the same code paths as production, where each part runs on its own machines.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 from nightshift.jobs.projects.api_keys import generate_key
 from nightshift.settings import Settings, get_settings
 from nightshift.workers import procs
+from nightshift.workers.metrics import use_metrics_dir
 
 # The engine worker runs at a lower CPU priority: on one machine the API must answer polls
 # promptly while the engine keeps every core busy; with the API idle the engine loses nothing.
@@ -81,6 +83,11 @@ def serve(host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") ->
     get_settings.cache_clear()
 
     upgrade_head(settings.resolved_database_url)
+    # One metrics directory for the API and every worker of this tree; the one serve chooses
+    # itself is emptied first (an earlier run's samples must not add to this one's).
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        shutil.rmtree(home / "metrics", ignore_errors=True)
+    use_metrics_dir(settings)
     # uvicorn handles SIGTERM/SIGINT itself (stop accepting, give in-flight requests
     # timeout_graceful_shutdown seconds) and re-raises the signal once it is done; that re-raise
     # becomes SystemExit here, so the `finally` below still stops the workers.

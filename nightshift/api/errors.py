@@ -14,10 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sqlalchemy.exc import DataError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from nightshift.api.database import Overloaded
 from nightshift.jobs.errors import Conflict, InvalidInput, NotFound
+from nightshift.jobs.storable import unstorable_text, unstorable_value
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -81,14 +83,50 @@ async def _conflict(_: Request, exc: Conflict) -> JSONResponse:
     return error_response(409, exc.message, code=exc.code)
 
 
+# Pydantic error types that mean "the body as a whole is not a JSON object".
+_NOT_AN_OBJECT = ("model_attributes_type", "model_type", "dict_type")
+
+
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0]
-    param = _param_of(tuple(first.get("loc", ())))
+    loc, kind = tuple(first.get("loc", ())), first.get("type")
+    if kind == "json_invalid":   # loc is ("body", <character position>): not a parameter
+        detail = (first.get("ctx") or {}).get("error")
+        return error_response(400, "We could not parse the JSON body of your request: it is not valid JSON"
+                              + (f" ({detail})." if detail else "."), code="invalid_json")
+    if loc == ("body",):
+        if kind == "missing":
+            return error_response(400, "The request needs a JSON object body.", code="missing_required_parameter")
+        if kind in _NOT_AN_OBJECT:
+            return error_response(400, "The request body must be a JSON object (got "
+                                  f"{_json_kind(first.get('input'))}).", code="invalid_type")
+    param = _param_of(loc)
     message = f"Invalid value for '{param}': {first.get('msg')}." if param else str(first.get("msg"))
-    code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_value"
-    if first.get("type") == "missing" and param:
+    code = "missing_required_parameter" if kind == "missing" else "invalid_value"
+    if kind == "missing" and param:
         message = f"Missing required parameter: '{param}'."
     return error_response(400, message, param=param, code=code)
+
+
+def _json_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "null" if value is None else type(value).__name__
+
+
+async def _data_error(_: Request, exc: DataError) -> JSONResponse:
+    # The database refused a value (too long for its column, out of range, a character it cannot
+    # hold): the request's fault, not the server's. The checks at the edge should catch these
+    # first; this keeps a missed one a 400 instead of a 500 and a dropped connection.
+    reason = str(getattr(exc, "orig", None) or "").strip().splitlines()
+    return error_response(400, "A value in the request cannot be stored"
+                          + (f": {reason[0]}." if reason else "."), code="invalid_value")
 
 
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -112,6 +150,50 @@ async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(500, "The server had an error while processing your request.", type="server_error")
 
 
+async def refuse_unstorable_input(request: Request) -> None:
+    """Every route's first dependency: strings no database can store (a NUL character, a lone
+    surrogate) are refused before any database work, in one place for every route:
+
+    - an id in the path holding one (or any control character) names nothing that can exist:
+      404 ``not_found``, as for any unknown id;
+    - a query parameter holding one: 400 naming the parameter;
+    - a JSON body holding one in any string or key (or nested too deeply): 400 naming the
+      field's path (``metadata.team``).
+    Left alone, such a value reaches the database driver, which raises: a 500, a traceback in
+    the log and a dropped connection. (Upload file names are checked by the upload itself.)"""
+    for name, value in request.path_params.items():
+        if isinstance(value, str) and _cannot_be_an_id(value):
+            shown = value.encode("utf-8", "backslashreplace").decode().encode("unicode_escape").decode()
+            raise NotFound(name[:-3] if name.endswith("_id") else name, shown)
+    for name, value in request.query_params.multi_items():
+        if unstorable_text(name):
+            raise APIError(400, f"A query parameter's name {unstorable_text(name)}.", code="invalid_value")
+        reason = unstorable_text(value)
+        if reason:
+            raise APIError(400, f"Invalid value for '{name}': it {reason}.", param=name, code="invalid_value")
+    if _is_json(request.headers.get("content-type")):
+        try:
+            body = await request.json()   # parsed once: FastAPI has read it already and kept it
+        except ValueError:
+            return                         # not JSON: the body's own validation answers
+        found = unstorable_value(body, "")
+        if found is not None:
+            param, reason = found[0].lstrip("."), found[1]
+            raise APIError(400, f"Invalid value for '{param or 'body'}': it {reason}.", param=param or None,
+                           code="invalid_value")
+
+
+def _cannot_be_an_id(value: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in value) or unstorable_text(value) is not None
+
+
+def _is_json(content_type: Optional[str]) -> bool:
+    if not content_type:
+        return False
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(NotFound, _not_found)
@@ -121,4 +203,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Overloaded, _overloaded)
     app.add_exception_handler(PoolTimeout, _pool_timeout)
+    app.add_exception_handler(DataError, _data_error)
     app.add_exception_handler(Exception, _unexpected_error)

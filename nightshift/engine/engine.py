@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from nightshift.engine.block_manager import BlockManager
 from nightshift.engine.engine_config import EngineConfig, resolve_device, resolve_dtype
@@ -26,7 +26,7 @@ from nightshift.engine.step import StepItem
 from nightshift.engine.stop_checker import StopChecker
 from nightshift.engine.tokenizer import load_tokenizer
 from nightshift.engine.types import (EngineStats, GenerationOutput, GenerationRequest, InvalidRequestError, RequestError,
-                                     RequestFeed)
+                                     RequestFeed, StepReport)
 
 
 class Engine:
@@ -47,6 +47,8 @@ class Engine:
         self._abort_requested: set[str] = set()
         self._lock = threading.Lock()
         self._generating = False
+        # Called after every step with a StepReport (e.g. a worker's metrics); keep them cheap.
+        self.step_listeners: list[Callable[[StepReport], None]] = []
 
     # ---- construction ---------------------------------------------------------------
     @classmethod
@@ -210,7 +212,13 @@ class Engine:
                 self.scheduler.finish(seq)
                 finished.append(seq)
         self._stats.output_tokens += len(sampled)
-        self._account(scheduled, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self._account(scheduled, seconds)
+        if self.step_listeners:
+            report = StepReport(seconds, len(scheduled), sum(item.num_new_tokens for item in scheduled),
+                                self.block_manager.num_used_blocks, self.block_manager.num_blocks)
+            for listener in self.step_listeners:
+                listener(report)
         return finished
 
     def _account(self, scheduled: list[ScheduledSeq], seconds: float) -> None:

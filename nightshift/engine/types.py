@@ -77,6 +77,16 @@ class EngineStats:
     requests_finished: int = 0
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """One engine step, as told to the engine's step listeners (metrics)."""
+    seconds: float
+    sequences: int                    # sequences in the step
+    tokens: int                       # new tokens processed (prefill chunks + decodes)
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
 class RequestFeed(Protocol):
     """More requests for a running ``Engine.generate`` (a long-running worker streams work in).
 

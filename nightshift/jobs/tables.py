@@ -7,6 +7,7 @@ import nightshift.jobs.batches.models  # noqa: F401
 import nightshift.jobs.files.models  # noqa: F401
 import nightshift.jobs.projects.models  # noqa: F401
 import nightshift.jobs.schedules.models  # noqa: F401
+import nightshift.jobs.webhooks.models  # noqa: F401
 from nightshift.jobs.orm import Base
 
 metadata = Base.metadata

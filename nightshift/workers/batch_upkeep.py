@@ -13,14 +13,18 @@ from nightshift.storage.db import session_scope
 
 
 def reconcile_batches(settings: Settings, now: Optional[float] = None) -> Actions:
-    """One reconciler pass in one transaction, knowing which shard wake-ups wait in the queue."""
-    from nightshift.workers.celery_app import TASK_RUN_SHARD, app
+    """One reconciler pass in one transaction, knowing which shard, finalize and cancel wake-ups
+    wait in the queues."""
+    from nightshift.workers.celery_app import TASK_CANCEL, TASK_FINALIZE, TASK_RUN_SHARD, app
     from nightshift.workers.queue_peek import queued_task_args
 
     waiting = queued_task_args(app, "gpu", TASK_RUN_SHARD)
     queued = None if waiting is None else {args[0] for args in waiting if args}
+    finalizes, cancels = (queued_task_args(app, "cpu", task) for task in (TASK_FINALIZE, TASK_CANCEL))
+    queued_batches = None if finalizes is None or cancels is None else {args[0] for args in finalizes + cancels
+                                                                         if args}
     with session_scope(settings.resolved_database_url) as s:
-        return reconcile(s, settings, now, queued)
+        return reconcile(s, settings, now, queued, queued_batches)
 
 
 def expire_due_batches(settings: Settings, now: Optional[float] = None) -> list[str]:

@@ -5,17 +5,18 @@ worker holds one shard at a time and a crash re-delivers (Redis) — and if the 
 lost anyway (filesystem broker), the reconciler on beat re-sends from database state.
 Queues: ``gpu`` (run_shard), ``cpu`` (ingest, finalize, cancel, a schedule run's start: work
 that may wait on the object store for long) and ``upkeep`` (the beat's reconcile, expiry,
-schedules tick and storage sweep: short, and never stuck behind a slow finalize). Start
-``celery -A nightshift.workers.celery_app worker -Q gpu -c 1`` on engine hosts,
+schedules tick, storage sweep and expired-file removal: short, and never stuck behind a slow
+finalize). Start ``celery -A nightshift.workers.celery_app worker -Q gpu -c 1`` on engine hosts,
 ``... worker -Q cpu`` and ``... worker -Q upkeep -c 1`` plus ``... beat`` elsewhere. A beat tick
 that waited longer than its interval is dropped (the next one does the same work). Importing
 this module has no side effects beyond reading the settings.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from celery import Celery
+from celery import Celery, signals
 from celery.beat import PersistentScheduler
 from kombu import Queue
 
@@ -30,7 +31,9 @@ TASK_EXPIRE = "nightshift.expire"
 TASK_SCHEDULES_TICK = "nightshift.schedules.tick"        # tasks of schedules: workers/schedule_tasks.py
 TASK_SCHEDULE_START_RUN = "nightshift.schedules.start_run"
 TASK_SWEEP_STORAGE = "nightshift.sweep_storage"
-UPKEEP_TASKS = (TASK_RECONCILE, TASK_EXPIRE, TASK_SCHEDULES_TICK, TASK_SWEEP_STORAGE)
+TASK_EXPIRE_FILES = "nightshift.expire_files"
+TASK_DELIVER_WEBHOOKS = "nightshift.deliver_webhooks"    # cpu: it waits on the receivers' answers
+UPKEEP_TASKS = (TASK_RECONCILE, TASK_EXPIRE, TASK_SCHEDULES_TICK, TASK_SWEEP_STORAGE, TASK_EXPIRE_FILES)
 
 
 class EmbeddedBeatScheduler(PersistentScheduler):
@@ -67,8 +70,10 @@ def celery_config(settings: Settings) -> dict:
                 ("reconcile", TASK_RECONCILE, settings.reconcile_interval_seconds),
                 ("expire", TASK_EXPIRE, settings.expire_interval_seconds),
                 ("schedules", TASK_SCHEDULES_TICK, settings.schedule_tick_seconds),
-                ("sweep-storage", TASK_SWEEP_STORAGE, settings.storage_sweep_interval_seconds))
-        },
+                ("sweep-storage", TASK_SWEEP_STORAGE, settings.storage_sweep_interval_seconds),
+                ("expire-files", TASK_EXPIRE_FILES, settings.expired_files_gc_interval_seconds))
+        } | {"webhooks": {"task": TASK_DELIVER_WEBHOOKS, "schedule": settings.webhook_tick_seconds,
+                          "options": {"queue": "cpu", "expires": settings.webhook_tick_seconds}}},
     }
     if settings.is_embedded_broker:
         root = settings.broker_dir
@@ -95,3 +100,25 @@ def make_celery(settings: Settings | None = None) -> Celery:
 
 
 app = make_celery()
+
+
+@signals.worker_init.connect
+def _choose_metrics_dir(**_) -> None:   # noqa: ANN003 - in the worker's main process, before the pool forks
+    from nightshift.workers.metrics import use_metrics_dir
+
+    use_metrics_dir(get_settings())
+
+
+@signals.worker_process_shutdown.connect
+def _retire_metrics(pid=None, **_) -> None:  # noqa: ANN001, ANN003
+    from nightshift.workers.metrics import mark_process_dead
+
+    mark_process_dead(pid or os.getpid())
+
+
+@signals.task_postrun.connect
+def _count_task(task=None, state=None, **_) -> None:  # noqa: ANN001, ANN003
+    from nightshift.workers.metrics import worker_metrics
+
+    if task is not None:
+        worker_metrics().tasks.labels(task.name, str(state)).inc()

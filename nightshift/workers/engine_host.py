@@ -12,6 +12,7 @@ import threading
 from typing import Optional
 
 from nightshift.settings import Settings, get_settings
+from nightshift.workers.metrics import observe_step
 
 # Settings field -> Engine.from_pretrained argument. A field left unset (None) is not passed,
 # so the engine's own default applies: its defaults are written in one place only.
@@ -44,6 +45,7 @@ def get_engine(settings: Optional[Settings] = None):  # noqa: ANN201
 
             s = settings or get_settings()
             _engine = Engine.from_pretrained(model=s.model, **engine_options(s))
+            _engine.step_listeners.append(observe_step)
             _engine_pid = os.getpid()
         return _engine
 

@@ -18,9 +18,9 @@ from typing import Iterable, Optional
 log = logging.getLogger(__name__)
 
 
-def queued_task_args(app, queue: str, task_name: str) -> Optional[list[list]]:  # noqa: ANN001
-    """The positional args of each ``task_name`` message waiting in ``queue``; None if this
-    broker's queue cannot be read."""
+def queued_task_args(app, queue: str, task_name: Optional[str]) -> Optional[list[list]]:  # noqa: ANN001
+    """The positional args of each ``task_name`` message (any task if None) waiting in
+    ``queue``; None if this broker's queue cannot be read."""
     url = app.conf.broker_url or ""
     try:
         if url.startswith("filesystem"):
@@ -53,10 +53,10 @@ def _redis_messages(app, queue: str) -> list[bytes]:  # noqa: ANN001
         return client.lrange(queue, 0, -1)
 
 
-def _task_args(raw: bytes, task_name: str) -> Optional[list]:
+def _task_args(raw: bytes, task_name: Optional[str]) -> Optional[list]:
     try:
         message = json.loads(raw)
-        if message.get("headers", {}).get("task") != task_name:
+        if task_name is not None and message.get("headers", {}).get("task") != task_name:
             return None
         body = message["body"]
         if message.get("properties", {}).get("body_encoding") == "base64":

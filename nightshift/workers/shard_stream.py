@@ -39,6 +39,7 @@ from nightshift.jobs.batches.openai_mapping import RequestBodyError, error_body,
 from nightshift.jobs.ids import response_request_id
 from nightshift.settings import Settings
 from nightshift.storage.db import session_scope
+from nightshift.workers.metrics import worker_metrics
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class ShardStream:
         self.timings.claim += time.perf_counter() - started
         if lease is None:
             return StreamRun("skipped")
+        _count_claim(lease, "own")
         self.first_shard_id = shard_id
         first = self._load(lease)
         with self.cond:
@@ -265,7 +267,8 @@ class ShardStream:
             shard = self.held.get(self.owner_of.pop(out.request_id, -1))
             if shard is None or shard.lost or out.finish_reason == "abort":
                 continue   # aborted on purpose (lease lost): it stays pending for the shard's new owner
-            shard.results.append(_result(shard.rows.pop(out.request_id), out, shard.endpoint, self.engine.model_name))
+            shard.results.append(_result(shard.rows.pop(out.request_id), out, shard.endpoint, self.engine.model_name,
+                                         self.engine.tokenizer))
             count += 1
         return count
 
@@ -275,6 +278,8 @@ class ShardStream:
             lease = claim_next_shard(s, self.owner, self.settings.lease_seconds, device=self.device,
                                      waiting_since=time.time() - self.settings.claim_ahead_after_seconds)
         self.timings.claim += time.perf_counter() - started
+        if lease is not None:
+            _count_claim(lease, "ahead")
         shard = self._load(lease) if lease is not None else None
         with self.cond:
             self.claims_done = self.claim_wanted
@@ -305,6 +310,7 @@ class ShardStream:
                 self.timings.writes += time.perf_counter() - started
                 self.timings.flushes += 1
             self.run_result.results_written += written
+            _count_results(shard.results)
             shard.outstanding -= len(shard.results)
             shard.results = []
         for shard in shards:
@@ -386,7 +392,37 @@ class ShardStream:
                  t.writes, t.flushes, t.complete, t.heartbeats)
 
 
-def _result(row: Request, out: GenerationOutput, endpoint: str, model_name: str) -> RequestResult:
+def _count_claim(lease: Lease, kind: str) -> None:
+    m = worker_metrics()
+    m.shard_claims.labels(kind).inc()
+    if lease.attempt > 1:
+        m.shard_retries.inc()
+
+
+def _count_results(results: list[RequestResult]) -> None:
+    """(A re-run shard may count a result its earlier attempt wrote; the database counts stay exact.)"""
+    m = worker_metrics()
+    for outcome in (RequestStatus.COMPLETED, RequestStatus.FAILED):
+        n = sum(r.status == outcome for r in results)
+        if n:
+            m.requests.labels(outcome).inc(n)
+    for kind, n in (("prompt", sum(r.prompt_tokens for r in results)), ("cached", sum(r.cached_tokens for r in results)),
+                    ("completion", sum(r.completion_tokens for r in results))):
+        if n:
+            m.tokens.labels(kind).inc(n)
+
+
+def token_texts(tokenizer, token_ids: list[int]) -> Optional[list[str]]:  # noqa: ANN001
+    """The text of each generated token (for logprobs), each decoded on its own with special
+    tokens kept; None without a tokenizer. A token that is part of a multi-byte character
+    decodes to U+FFFD, as in OpenAI's ``token`` field."""
+    if tokenizer is None:
+        return None
+    return [tokenizer.decode([token_id], skip_special_tokens=False) for token_id in token_ids]
+
+
+def _result(row: Request, out: GenerationOutput, endpoint: str, model_name: str,
+            tokenizer=None) -> RequestResult:  # noqa: ANN001
     if out.finish_reason == "error" or out.error is not None:
         err = out.error
         code, message, param = (err.code, err.message, err.param) if err else ("invalid_request", "rejected", None)
@@ -395,7 +431,7 @@ def _result(row: Request, out: GenerationOutput, endpoint: str, model_name: str)
                              prompt_tokens=0, finished_at=out.finish_time)
     body = response_body(endpoint, response_request_id(row.id), int(out.finish_time), model_name, out.text,
                          out.finish_reason, out.prompt_tokens, out.cached_prompt_tokens, out.completion_tokens,
-                         out.logprobs)
+                         out.logprobs, token_texts(tokenizer, out.token_ids) if out.logprobs is not None else None)
     return RequestResult(row.id, RequestStatus.COMPLETED, response_status_code=200, response_body=body,
                          finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                          cached_tokens=out.cached_prompt_tokens, completion_tokens=out.completion_tokens,

@@ -15,11 +15,15 @@ from nightshift.storage.objectstore import get_object_store
 from nightshift.workers import dispatch
 from nightshift.workers.batch_upkeep import expire_due_batches, reconcile_batches
 from nightshift.workers.celery_app import (TASK_CANCEL, TASK_EXPIRE, TASK_FINALIZE, TASK_INGEST, TASK_RECONCILE,
-                                           TASK_RUN_SHARD, TASK_SWEEP_STORAGE, app)
+                                           TASK_RUN_SHARD, TASK_SWEEP_STORAGE, TASK_DELIVER_WEBHOOKS, TASK_EXPIRE_FILES,
+                                           app)
 from nightshift.workers.engine_host import engine_device, get_engine, get_tokenizer, worker_identity
+from nightshift.workers.file_expiry import remove_expired_files
 from nightshift.workers.finalize import finalize_batch
 from nightshift.workers.ingest import ingest_batch
+from nightshift.workers.metrics import worker_metrics
 from nightshift.workers.schedule_runs import complete_batch_run
+from nightshift.workers.webhooks import deliver_due_webhooks
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +31,10 @@ log = logging.getLogger(__name__)
 @app.task(name=TASK_INGEST)
 def ingest(batch_id: str) -> str:
     settings = get_settings()
-    outcome = ingest_batch(batch_id, get_tokenizer(settings), settings=settings, store=get_object_store(settings))
+    # The tokenizer is loaded inside ingest (only for a valid file), so a model that cannot load
+    # counts as a failed attempt and fails the batch after max_ingest_attempts instead of looping.
+    outcome = ingest_batch(batch_id, settings=settings, store=get_object_store(settings),
+                           load_tokenizer=lambda: get_tokenizer(settings))
     for shard_id in outcome.shard_ids:
         dispatch.enqueue_run_shard(shard_id)
     if outcome.status == BatchStatus.CANCELLING:
@@ -54,6 +61,7 @@ def _finalize(batch_id: str) -> str:
     outcome = finalize_batch(batch_id, settings=settings, store=store)
     if outcome.status in BatchStatus.TERMINAL:
         complete_batch_run(settings, store, batch_id)
+        dispatch.enqueue_deliver_webhooks()   # the batch's event was recorded with its final status
     return outcome.status
 
 
@@ -72,6 +80,8 @@ def cancel(batch_id: str) -> str:
 @app.task(name=TASK_RECONCILE)
 def reconcile_tick() -> dict:
     acts = reconcile_batches(get_settings())
+    if acts.expired_leases:
+        worker_metrics().lease_expiries.inc(acts.expired_leases)
     for shard_id in acts.run_shards:
         dispatch.enqueue_run_shard(shard_id)
     for batch_id in acts.finalize:
@@ -101,3 +111,18 @@ def sweep_storage() -> int:
     if removed:
         log.info("storage sweep: removed %d abandoned upload(s)", removed)
     return removed
+
+
+@app.task(name=TASK_EXPIRE_FILES)
+def expire_files() -> int:
+    """Files past their expiry that nothing needs: object removed, row marked deleted."""
+    settings = get_settings()
+    removed = remove_expired_files(settings, get_object_store(settings))
+    if removed:
+        log.info("expired files: removed %d", removed)
+    return removed
+
+
+@app.task(name=TASK_DELIVER_WEBHOOKS)
+def deliver_webhooks() -> dict:
+    return deliver_due_webhooks(get_settings())

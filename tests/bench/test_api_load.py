@@ -22,9 +22,12 @@ def test_report_counts_503_apart_from_errors():
 def test_small_run_against_embedded_service(capsys):
     samples = api_load.run(api_load.argparse.Namespace(
         shape="embedded", clients=6, seconds=2.0, interval=0.1, uploads=2, upload_lines=10, big_file_lines=200,
-        batch_requests=0, processes=2))
+        batch_requests=0, processes=2,
+        slow_readers=2, reader_kbps=100, reader_file_mb=0.5))
     out = capsys.readouterr().out
     assert samples.errors == {}
     assert len(samples.latencies["GET /v1/batches/{id}"]) > 10
     assert len(samples.latencies["POST /v1/files (10 lines)"]) == 2
+    slow = samples.latencies["GET /v1/files/{id}/content (slow)"]
+    assert len(slow) == 2 and "2 slow readers of a 0.5 MB file" in out      # each still reading at the end
     assert "200-line file" in out and "batch in_progress" in out

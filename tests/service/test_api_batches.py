@@ -120,6 +120,19 @@ def test_cancel_rules(api_service):  # noqa: F811
     assert client.batches.retrieve(done.id).status == "completed"
 
 
+def test_retry_needs_an_ended_batch_of_this_project(api_service):  # noqa: F811
+    client = project_client(api_service)
+    batch = new_batch(client)                       # no workers here: it stays validating
+    with pytest.raises(openai.ConflictError) as err:
+        client.post(f"/batches/{batch.id}/retry", body={}, cast_to=openai.types.Batch)
+    assert err.value.body["code"] == "batch_not_ended" and "is validating" in err.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        project_client(api_service).post(f"/batches/{batch.id}/retry", body={}, cast_to=openai.types.Batch)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.post(f"/batches/{batch.id}/retry", body={"error_codes": []}, cast_to=openai.types.Batch)
+    assert err.value.body["param"] == "error_codes"
+
+
 def test_create_answers_even_when_the_broker_is_down(pg_url, s3_server, tmp_path):
     """The batch row is the truth; the ingest wake-up is re-sent by the reconciler later."""
     from .api_fixtures import Service, free_port, make_key, new_bucket, openai_client, s3_env, service_env

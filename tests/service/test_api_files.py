@@ -60,6 +60,7 @@ def test_expires_after_is_honoured(api_service):  # noqa: F811
 
 @pytest.mark.parametrize("name, content, purpose, param, code", [
     ("empty.jsonl", b"", "batch", "file", "empty_file"),
+    ("blank.jsonl", b" \n\t\r\n\n   ", "batch", "file", "empty_file"),   # whitespace only: as empty
     ("input.txt", jsonl(1), "batch", "file", "invalid_file_format"),
     ("input.jsonl", jsonl(1), "fine-tune", "purpose", "invalid_value"),
     ("big.jsonl", jsonl(51), "batch", "file", "too_many_lines"),            # limit 50 lines

@@ -117,6 +117,7 @@ def test_finalize_writes_line_ordered_files_and_is_idempotent(any_db, settings, 
         b = s.get(Batch, bid)
         assert (b.output_file_id, b.error_file_id) == (out_id, err_id)
         assert s.query(File).filter(File.purpose == "batch_output").count() == 4  # output, errors, cost.json, cost.csv
+        assert s.get(File, out_id).expires_at is None                          # kept until deleted
     assert read_jsonl(store, bid, out_id, any_db) == out
     assert finalize_batch(bid, settings=settings, store=store).status == "completed"  # terminal: no-op
 
@@ -248,3 +249,52 @@ def test_a_finalize_with_a_live_lease_is_not_re_sent_one_that_ran_out_is(any_db,
         assert bid not in reconcile(s, settings, now=later).finalize          # a finalize is running
     with session_scope(any_db) as s:
         assert bid in reconcile(s, settings, now=later + 60).finalize         # its lease ran out
+
+
+def test_a_lost_finalize_wake_up_is_re_sent_in_seconds_when_the_queue_shows_it_missing(any_db, settings, store):
+    """A batch moved to finalizing while the broker was down (its finalize wake-up lost), or whose
+    finalize died (its lease ran out): re-sent once ``requeue_missing_after_seconds`` have passed
+    and its message is not waiting in the cpu queue, not after ``requeue_pending_after_seconds``;
+    left alone while it waits there; where the queue cannot be read, the old rule applies."""
+    settings = settings.model_copy(update={"requeue_missing_after_seconds": 5, "requeue_pending_after_seconds": 60})
+    bid, shards = make_running_batch(any_db, store, 2, 1)
+    _finish_all(any_db, shards)
+    with session_scope(any_db) as s:
+        assert start_finalize_if_done(s, bid)
+        sent = s.get(Batch, bid).last_enqueued_at
+    with session_scope(any_db) as s:
+        assert bid not in reconcile(s, settings, now=sent + 3, queued_batches=set()).finalize      # just sent
+    with session_scope(any_db) as s:
+        assert bid not in reconcile(s, settings, now=sent + 6, queued_batches={bid}).finalize      # waits in the queue
+    with session_scope(any_db) as s:
+        assert bid not in reconcile(s, settings, now=sent + 6).finalize                            # queue unknown
+    with session_scope(any_db) as s:
+        assert reconcile(s, settings, now=sent + 6, queued_batches=set()).finalize == [bid]       # lost: re-sent
+    with session_scope(any_db) as s:
+        assert bid not in reconcile(s, settings, now=sent + 8, queued_batches=set()).finalize      # sent again just now
+    # the finalize that took that message dies inside its writes: re-sent once its lease runs out
+    with session_scope(any_db) as s:
+        s.execute(update(Batch).where(Batch.id == bid).values(finalize_lease_expires_at=sent + 6 + 30))
+    with session_scope(any_db) as s:
+        assert bid not in reconcile(s, settings, now=sent + 30, queued_batches=set()).finalize     # lease live
+    with session_scope(any_db) as s:
+        assert reconcile(s, settings, now=sent + 37, queued_batches=set()).finalize == [bid]      # lease ran out
+
+
+def test_output_expires_after_dates_the_output_and_error_files(any_db, settings, store):
+    bid, shards = make_running_batch(any_db, store, 2, 1)
+    with session_scope(any_db) as s:
+        s.execute(update(Batch).where(Batch.id == bid).values(output_expires_after_seconds=7200))
+    lease = in_transaction(any_db, claim_shard, shards[0], "w", 30)
+    rows = in_transaction(any_db, pending_requests, lease)
+    failed = RequestResult(rows[1].id, RequestStatus.FAILED, response_status_code=400,
+                           response_body={"error": {"code": "invalid_request", "message": "no"}}, finish_reason="error")
+    in_transaction(any_db, write_results, lease, [ok(rows[0].id), failed], 30)
+    assert in_transaction(any_db, complete_shard, lease)
+    in_transaction(any_db, start_finalize_if_done, bid)
+    before = time.time()
+    assert finalize_batch(bid, settings=settings, store=store).status == "completed"
+    with session_scope(any_db) as s:
+        b = s.get(Batch, bid)
+        for file_id in (b.output_file_id, b.error_file_id):
+            assert before + 7200 <= s.get(File, file_id).expires_at <= time.time() + 7200

@@ -67,6 +67,12 @@ def test_serve_submit_wait_results(tmp_path):
         assert failed.returncode == 1 and b"line 1: Only the POST method" in failed.stderr
         no_results = nightshift(env, "results", failed.stdout.decode().strip())
         assert no_results.returncode == 1 and b"is failed: no result files" in no_results.stderr
+        nothing = nightshift(env, "retry", batch_id)                   # every line completed
+        assert nothing.returncode == 1 and b"has no failed requests to retry" in nothing.stderr
+        invalid = nightshift(env, "retry", failed.stdout.decode().strip(), "--code", "batch_expired")
+        assert invalid.returncode == 1 and b"HTTP 409" in invalid.stderr \
+            and b"no failed requests with error code batch_expired to retry (its input file failed validation" \
+            in invalid.stderr
 
         new_key = nightshift(env, "keys", "create", "--project", "second")
         assert new_key.returncode == 0

@@ -99,3 +99,21 @@ def test_openai_client_round_trip(pipeline):
     # the batch is listed, and the input file is still retrievable
     assert batch.id in [b.id for b in client.batches.list()]
     assert client.files.content(input_file.id).content == data
+
+    # retry only the failed line: a new batch of it, linked both ways, the original untouched
+    import openai
+    retry = client.post(f"/batches/{batch.id}/retry", body={"error_codes": [rejected["response"]["body"]["error"]["code"]]},
+                        cast_to=openai.types.Batch)
+    assert retry.status == "validating" and retry.metadata == {"retry_of": batch.id}
+    assert [json.loads(x) for x in client.files.content(retry.input_file_id).text.splitlines()] == [lines[-1]]
+    original = client.batches.retrieve(batch.id)
+    assert original.metadata == {"suite": "e2e", "retried_by": retry.id}
+    assert (original.output_file_id, original.error_file_id, original.request_counts) == \
+        (batch.output_file_id, batch.error_file_id, batch.request_counts)
+    while retry.status not in ("completed", "failed", "expired", "cancelled"):
+        assert time.time() < deadline, f"retry stuck in {retry.status}"
+        time.sleep(0.5)
+        retry = client.batches.retrieve(retry.id)
+    assert retry.request_counts.model_dump() == {"total": 1, "completed": 0, "failed": 1}
+    with pytest.raises(openai.ConflictError, match="no failed requests with error code batch_expired"):
+        client.post(f"/batches/{batch.id}/retry", body={"error_codes": ["batch_expired"]}, cast_to=openai.types.Batch)

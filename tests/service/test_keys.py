@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from sqlalchemy import func, select
 
 from nightshift.jobs.projects.api_keys import create_key, ensure_key, hash_key, project_for_key
@@ -40,3 +41,30 @@ def test_revoked_key_no_longer_authenticates(any_db):
         s.get(ApiKey, row.id).revoked_at = time.time()
     with session_scope(any_db) as s:
         assert project_for_key(s, secret) is None
+
+
+def test_list_shows_keys_without_secrets_and_revoke_marks_them(any_db):
+    from nightshift.jobs.errors import NotFound
+    from nightshift.jobs.projects.api_keys import list_keys, revoke_key
+
+    with session_scope(any_db) as s:
+        first, first_secret = create_key(s, "alpha", name="ci")
+        _, other_secret = create_key(s, "beta")
+        ensure_key(s, "alpha", "short-boot")   # a hand-chosen short key: no part of it is shown
+    with session_scope(any_db) as s:
+        keys = list_keys(s)
+        alpha = list_keys(s, "alpha")
+    assert [k.project for k in keys] == ["alpha", "beta", "alpha"] and [k.id for k in alpha] == [keys[0].id, keys[2].id]
+    assert (keys[0].id, keys[0].name, keys[0].revoked_at) == (first.id, "ci", None)
+    assert keys[0].prefix == first_secret[:6] + "…" and keys[2].prefix == ""
+    for k in keys:
+        assert not any(secret in repr(k) for secret in (first_secret, other_secret, "short-boot"))
+    with session_scope(any_db) as s:
+        row, now = revoke_key(s, first.id, now=1234.5)
+    assert now and row.revoked_at == 1234.5
+    with session_scope(any_db) as s:
+        assert revoke_key(s, first.id, now=9999.0)[1] is False        # already revoked: kept as it was
+        assert project_for_key(s, first_secret) is None and project_for_key(s, other_secret) is not None
+        assert list_keys(s, "alpha")[0].revoked_at == 1234.5
+    with session_scope(any_db) as s, pytest.raises(NotFound):
+        revoke_key(s, "key_nope")

@@ -54,7 +54,7 @@ def test_each_bad_line_names_line_code_and_param(raw, code, param):
 
 
 def test_missing_method_and_url_give_one_error_each():
-    raw = orjson.dumps({"custom_id": "x", "body": {"model": "default", "messages": [{"role": "u", "content": ""}]}})
+    raw = orjson.dumps({"custom_id": "x", "body": {"model": "default", "messages": [{"role": "user", "content": ""}]}})
     r = run([raw])
     assert sorted(e["param"] for e in r.errors) == ["method", "url"]
     assert {e["code"] for e in r.errors} == {"missing_required_parameter"}
@@ -155,3 +155,113 @@ def test_response_bodies_have_openai_shape():
                              "prompt_tokens_details": {"cached_tokens": 4}}
     comp = response_body("/v1/completions", "x2", 100, "m", "t", "stop", 1, 0, 1)
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == "t"
+
+
+# --- hostile lines: what cannot be stored, roles, the BOM, param paths ------------------
+
+def json_nested(depth):
+    value = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def chat_body(**extra):
+    return {"model": "default", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+@pytest.mark.parametrize("raw, code, param, says", [
+    (line("a\u0000b"), "invalid_request", "custom_id", "NUL"),
+    (line("x" * 513), "invalid_request", "custom_id", "longer than 512"),
+    (line(body={"model": "default", "messages": [{"role": "wizard", "content": "x"}]}), "invalid_value",
+     "body.messages.0.role", "'wizard'"),
+    (line(body={"model": "default", "messages": [{"role": "user", "content": "x"}, {"content": "no role"}]}),
+     "invalid_request", "body.messages.1", "'role' and 'content'"),
+    (line(body={"model": "default", "messages": [{"role": "user", "content": "a\u0000b"}]}), "invalid_request",
+     "body.messages.0.content", "NUL"),
+    (line(body=chat_body(metadata={"k\u0000": 1})), "invalid_request", "body.metadata.k\\u0000", "key"),
+    (line(body=chat_body(deep=json_nested(70))), "invalid_request", "body.deep" + ".0" * 63, "nested more than 64"),
+])
+def test_hostile_line_names_line_param_and_reason(raw, code, param, says):
+    r = run([line("ok"), raw])
+    assert [(e["line"], e["code"], e["param"]) for e in r.errors] == [(2, code, param)]
+    assert says in r.errors[0]["message"]
+    assert "\x00" not in orjson.dumps(r.errors_object()).decode()   # the errors themselves can be stored
+
+
+def test_nesting_within_the_limit_is_accepted():
+    assert run([line(body=chat_body(deep=json_nested(60)))]).ok
+
+
+def test_bom_before_the_first_line_is_accepted_but_not_elsewhere():
+    bom = b"\xef\xbb\xbf"
+    r = run([bom + line("a"), line("b")])
+    assert r.ok and [v.custom_id for v in r.lines] == ["a", "b"]
+    r = run([line("a"), bom + line("b")])
+    assert [(e["line"], e["code"]) for e in r.errors] == [(2, "invalid_json_line")]
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "assistant", "tool", "function"])
+def test_every_openai_role_is_accepted(role):
+    assert run([line(body={"model": "default", "messages": [{"role": role, "content": "x"}]})]).ok
+
+
+@pytest.mark.parametrize("body, param, code, says", [
+    ({"max_completion_tokens": -5}, "max_completion_tokens", "invalid_request",
+     "'max_completion_tokens' must be at least 1 (got -5)"),
+    ({"max_completion_tokens": "9"}, "max_completion_tokens", "invalid_request", "must be an integer"),
+    ({"max_tokens": 0}, "max_tokens", "invalid_request", "'max_tokens' must be at least 1"),
+    ({"max_tokens": 5, "max_completion_tokens": 0}, "max_completion_tokens", "invalid_request", "at least 1"),
+    ({"frequency_penalty": 5}, "frequency_penalty", "invalid_request", "between -2 and 2"),
+    ({"presence_penalty": -2.5}, "presence_penalty", "invalid_request", "between -2 and 2"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_value", "not supported"),
+    ({"presence_penalty": "x"}, "presence_penalty", "invalid_request", "must be a number"),
+    ({"logit_bias": {"50256": 101}}, "logit_bias.50256", "invalid_request", "between -100 and 100"),
+    ({"logit_bias": {"50256": -100.5}}, "logit_bias.50256", "invalid_request", "between -100 and 100"),
+    ({"logit_bias": {"hello": 1}}, "logit_bias", "invalid_request", "not a token id"),
+    ({"logit_bias": [1]}, "logit_bias", "invalid_request", "must be an object"),
+    ({"logit_bias": {"7": 5}}, "logit_bias", "unsupported_value", "not supported"),
+    ({"logprobs": True, "top_logprobs": 3}, "top_logprobs", "unsupported_value", "not supported"),
+    ({"top_logprobs": 2}, "top_logprobs", "invalid_request", "requires 'logprobs'"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_request", "between 0 and 20"),
+    ({"logprobs": "yes"}, "logprobs", "invalid_request", "must be a boolean"),
+])
+def test_chat_values_openai_refuses_or_this_engine_cannot_apply_are_refused(body, param, code, says):
+    with pytest.raises(RequestBodyError) as e:
+        sampling_kwargs(body, CHAT, 5, 2048, 256, 16)
+    assert (e.value.param, e.value.code) == (param, code) and says in e.value.message
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"logprobs": 2}, "logprobs", "unsupported_value"),
+    ({"logprobs": 6}, "logprobs", "invalid_request"),
+    ({"logprobs": True}, "logprobs", "invalid_request"),
+])
+def test_completion_logprobs_beyond_the_chosen_token_are_refused(body, param, code):
+    with pytest.raises(RequestBodyError) as e:
+        sampling_kwargs(body, "/v1/completions", 5, 2048, 256, 16)
+    assert (e.value.param, e.value.code) == (param, code)
+
+
+def test_neutral_values_are_accepted_and_logprobs_asked_for():
+    kw = sampling_kwargs({"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {"5": 0}, "logprobs": True,
+                          "top_logprobs": 0, "max_completion_tokens": 7, "max_tokens": 99}, CHAT, 5, 2048, 256, 16)
+    assert kw["logprobs"] is True and kw["max_tokens"] == 7        # max_completion_tokens wins
+    assert sampling_kwargs({}, CHAT, 5, 2048, 256, 16)["logprobs"] is False
+    assert sampling_kwargs({"logprobs": 0}, "/v1/completions", 5, 2048, 256, 16)["logprobs"] is True
+
+
+def test_logprobs_bodies_carry_token_texts_or_nulls_consistently():
+    chat = response_body(CHAT, "x", 1, "m", "Hi!", "stop", 3, 0, 2, logprobs=[-0.5, -0.25], tokens=["Hi", "!"])
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert content == [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []},
+                       {"token": "!", "logprob": -0.25, "bytes": [33], "top_logprobs": []}]
+    unknown = response_body(CHAT, "x", 1, "m", "Hi!", "stop", 3, 0, 2, logprobs=[-0.5, -0.25])
+    assert [(c["token"], c["bytes"]) for c in unknown["choices"][0]["logprobs"]["content"]] == [(None, None)] * 2
+    comp = response_body("/v1/completions", "y", 1, "m", "Hi!", "length", 3, 0, 2, logprobs=[-0.5, -0.25],
+                         tokens=["Hi", "!"])
+    assert comp["choices"][0]["logprobs"] == {"tokens": ["Hi", "!"], "token_logprobs": [-0.5, -0.25],
+                                              "top_logprobs": None, "text_offset": [0, 2]}
+    comp = response_body("/v1/completions", "y", 1, "m", "Hi!", "length", 3, 0, 2, logprobs=[-0.5, -0.25])
+    assert comp["choices"][0]["logprobs"]["tokens"] is None and comp["choices"][0]["logprobs"]["text_offset"] is None
+    assert response_body(CHAT, "x", 1, "m", "Hi", "stop", 3, 0, 1)["choices"][0]["logprobs"] is None

@@ -1,19 +1,23 @@
-"""/v1/batches: create, list, retrieve, cancel."""
+"""/v1/batches: create, list, retrieve, cancel, and retry the failed lines of an ended batch."""
 from __future__ import annotations
 
 import logging
+import io
 from typing import Callable, Optional
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Body, Query
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from nightshift.api.deps import CallerDep, SettingsDep
-from nightshift.api.schemas.batches import BatchCreate, BatchObject
+from nightshift.api.deps import CallerDep, SettingsDep, StoreDep
+from nightshift.api.schemas.batches import BatchCreate, BatchObject, BatchRetry
 from nightshift.api.schemas.common import ListPage
+from nightshift.jobs.batches import retry as batch_retry
 from nightshift.jobs.batches import service as batch_service
+from nightshift.jobs.batches.documents import batch_document
 from nightshift.jobs.batches.models import Batch
 from nightshift.jobs.batches.progress import BatchProgress, batch_progress
+from nightshift.jobs.files import uploads
 from nightshift.workers.dispatch import enqueue_cancel, enqueue_ingest
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -29,21 +33,8 @@ def _wake(send: Callable[[str], None], batch_id: str) -> None:
         log.exception("could not publish %s for %s; the reconciler will retry", send.__name__, batch_id)
 
 
-def _ts(value: Optional[float]) -> Optional[int]:
-    return int(value) if value is not None else None
-
-
 def batch_object(batch: Batch, progress: BatchProgress) -> BatchObject:
-    return BatchObject(
-        id=batch.id, endpoint=batch.endpoint, model=batch.model, errors=batch.errors,
-        input_file_id=batch.input_file_id, completion_window=batch.completion_window, status=batch.status,
-        output_file_id=batch.output_file_id, error_file_id=batch.error_file_id,
-        created_at=int(batch.created_at), in_progress_at=_ts(batch.in_progress_at),
-        expires_at=_ts(batch.expires_at), finalizing_at=_ts(batch.finalizing_at),
-        completed_at=_ts(batch.completed_at), failed_at=_ts(batch.failed_at), expired_at=_ts(batch.expired_at),
-        cancelling_at=_ts(batch.cancelling_at), cancelled_at=_ts(batch.cancelled_at),
-        request_counts=progress.request_counts(), usage=progress.usage(), metadata=batch.metadata_,
-        progress=progress.progress())
+    return BatchObject.model_validate(batch_document(batch, progress))
 
 
 def _one(session, batch: Batch) -> BatchObject:  # noqa: ANN001
@@ -87,4 +78,26 @@ async def cancel_batch(batch_id: str, caller: CallerDep) -> BatchObject:
                              _one(session, batch_service.cancel_batch(session, project_id, batch_id)))
     if batch.status == "cancelling":
         await run_in_threadpool(_wake, enqueue_cancel, batch.id)  # after the commit
+    return batch
+
+
+@router.post("/{batch_id}/retry", response_model=BatchObject)
+async def retry_batch(batch_id: str, caller: CallerDep, store: StoreDep, settings: SettingsDep,
+                      body: Optional[BatchRetry] = Body(None)) -> BatchObject:
+    """A new batch of the ended batch's failed lines (those with the given error codes, if
+    any), linked both ways in metadata (``retry_of`` / ``retried_by``)."""
+    body = body or BatchRetry()
+    source = await caller.read(lambda session, project_id:
+                               batch_retry.failed_lines(session, project_id, batch_id, body.error_codes))
+    upload = await run_in_threadpool(uploads.store_upload, store, settings, filename=f"{batch_id}_retry.jsonl",
+                                     purpose="batch", source=io.BytesIO(source.jsonl))
+    try:
+        batch = await caller.run(lambda session, project:
+                                 _one(session, batch_retry.create_retry_batch(session, settings, project_id=project,
+                                                                              source=source, upload=upload,
+                                                                              metadata=body.metadata)))
+    except BaseException:
+        await run_in_threadpool(store.delete, upload.object_key)
+        raise
+    await run_in_threadpool(_wake, enqueue_ingest, batch.id)  # after the commit
     return batch

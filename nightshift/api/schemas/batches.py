@@ -24,6 +24,14 @@ class BatchCreate(BaseModel):
     output_expires_after: Optional[OutputExpiresAfter] = None
 
 
+class BatchRetry(BaseModel):
+    """Body of POST /v1/batches/{batch_id}/retry (optional): which failed lines to run again
+    (by error code; all of them when left out) and metadata for the new batch."""
+
+    error_codes: Optional[list[str]] = Field(default=None, min_length=1)
+    metadata: Optional[dict[str, str]] = None
+
+
 class BatchErrorItem(BaseModel):
     code: Optional[str] = None
     message: Optional[str] = None

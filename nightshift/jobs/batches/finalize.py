@@ -22,11 +22,14 @@ import orjson
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
+from nightshift.jobs.batches.documents import batch_document
 from nightshift.jobs.batches.lifecycle import batch_status, drain_batch, final_status
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus
+from nightshift.jobs.batches.progress import batch_progress
 from nightshift.jobs.costs.batch_costs import write_cost_files
 from nightshift.jobs.files.service import upsert_result_file
 from nightshift.jobs.ids import batch_request_id, derived_id, response_request_id
+from nightshift.jobs.webhooks.events import record_event
 from nightshift.settings import Settings
 from nightshift.storage.objectstore import ObjectStore
 
@@ -161,11 +164,20 @@ def complete_finalize(s: Session, store: ObjectStore, settings: Settings, plan: 
                     .values(**values))
     if res.rowcount != 1:
         return FinalizeOutcome(batch_status(s, plan.batch_id))
+    batch = s.get(Batch, plan.batch_id, populate_existing=True)
+    # output_expires_after (from the create request) applies to the output and error files; the
+    # expired-files sweep removes them then. Without it they are kept until deleted.
+    ttl = batch.output_expires_after_seconds
+    expires_at = now + ttl if ttl is not None else None
     if out_id:
         upsert_result_file(s, file_id=out_id, project_id=plan.project_id, filename=f"{plan.batch_id}_output.jsonl",
-                           object_key=files.output_key, size=files.output_bytes, lines=files.output_lines, now=now)
+                           object_key=files.output_key, size=files.output_bytes, lines=files.output_lines, now=now,
+                           expires_at=expires_at)
     if err_id:
         upsert_result_file(s, file_id=err_id, project_id=plan.project_id, filename=f"{plan.batch_id}_error.jsonl",
-                           object_key=files.error_key, size=files.error_bytes, lines=files.error_lines, now=now)
-    write_cost_files(s, store, s.get(Batch, plan.batch_id, populate_existing=True), settings=settings, now=now)
+                           object_key=files.error_key, size=files.error_bytes, lines=files.error_lines, now=now,
+                           expires_at=expires_at)
+    write_cost_files(s, store, batch, settings=settings, now=now)
+    record_event(s, plan.project_id, f"batch.{plan.target}", plan.batch_id,
+                 batch_document(batch, batch_progress(s, [batch])[batch.id]), now)
     return FinalizeOutcome(plan.target, files.output_lines, files.error_lines)

@@ -1,10 +1,13 @@
 """Ingest of a batch's input file, as steps the worker runs in order (each database step in
 its own transaction, owned by ``nightshift.workers.ingest``):
 
-1. ``ingest_source``: what to read, if the batch is still ``validating``;
+1. ``start_ingest``: count the attempt (committed before the work, so an attempt that dies
+   still counts: past ``max_ingest_attempts`` the batch fails instead of looping) and read
+   what to ingest, if the batch is still ``validating``; ``keep_ingest_alive`` while it runs;
 2. ``validate_input`` + ``tokenize_lines``: stream and check every line, then tokenize the
    prompts with the model's chat template (no database);
-3. ``fail_ingest`` with the line errors, or ``plan_ingest`` (prefix-grouped shards) and
+3. ``fail_ingest`` with the line errors (or ``ingest_failed_errors`` when ingest itself kept
+   failing), or ``plan_ingest`` (prefix-grouped shards) and
    ``insert_requests``: one request row per line (COPY on Postgres, executemany on SQLite)
    in the same transaction that moves the batch to ``in_progress``.
 
@@ -21,12 +24,15 @@ import orjson
 from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
+from nightshift.jobs.batches.documents import batch_document
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus, Shard
 from nightshift.jobs.batches.openai_mapping import (CHAT, RequestBodyError, chat_messages, planned_max_tokens,
                                                     prompt_token_ids, requested_max_tokens)
+from nightshift.jobs.batches.progress import batch_progress
 from nightshift.jobs.batches.shard_planning import PlannedShard, plan_shards
 from nightshift.jobs.batches.validation import ValidationResult, validate_lines
 from nightshift.jobs.files.models import File
+from nightshift.jobs.webhooks.events import record_event
 from nightshift.settings import Settings
 from nightshift.storage.objectstore import ObjectStore, iter_lines
 
@@ -45,6 +51,7 @@ class IngestSource:
     endpoint: str
     input_file_id: str
     object_key: Optional[str]            # None when the input file is gone
+    attempt: int = 0                     # ingest attempts so far, this one included
 
 
 @dataclass
@@ -61,7 +68,39 @@ def ingest_source(s: Session, batch_id: str) -> IngestSource:
         raise LookupError(f"no batch {batch_id!r}")
     file = s.get(File, batch.input_file_id)
     object_key = file.object_key if file is not None and file.deleted_at is None else None
-    return IngestSource(batch.status, batch.endpoint, batch.input_file_id, object_key)
+    return IngestSource(batch.status, batch.endpoint, batch.input_file_id, object_key, batch.ingest_attempts)
+
+
+def start_ingest(s: Session, batch_id: str, now: float) -> IngestSource:
+    """Count one more ingest attempt of a validating batch and mark it alive (the reconciler
+    re-sends an ingest only after ``last_enqueued_at`` has gone stale); then what to read.
+    The caller commits this before the work starts."""
+    s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
+              .values(ingest_attempts=Batch.ingest_attempts + 1, last_enqueued_at=now))
+    return ingest_source(s, batch_id)
+
+
+def refund_ingest_attempt(s: Session, batch_id: str) -> None:
+    """Un-count an attempt that an outage (not the batch) interrupted."""
+    s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING,
+                                  Batch.ingest_attempts > 0)
+              .values(ingest_attempts=Batch.ingest_attempts - 1))
+
+
+def keep_ingest_alive(s: Session, batch_id: str, now: float) -> None:
+    """A running ingest's heartbeat: no second ingest is sent beside a live one (and counted)."""
+    s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
+              .values(last_enqueued_at=now))
+
+
+def ingest_failed_errors(attempts: int, reason: Optional[str]) -> dict[str, Any]:
+    """The batch's ``errors`` when ingest itself kept failing (not the file's lines): how many
+    times, and the last error's class and message (no traceback)."""
+    why = f"The last attempt failed with {reason}" if reason else \
+        "The last attempt stopped without reporting an error (its worker may have been killed or run out of memory)"
+    message = f"Ingest of the input file failed {attempts} times, so the batch was failed. {why}."
+    return {"object": "list", "data": [{"code": "ingest_failed", "message": message.replace("\x00", "\\u0000"),
+                                        "param": None, "line": None}]}
 
 
 def validate_input(store: ObjectStore, source: IngestSource, settings: Settings) -> ValidationResult:
@@ -113,18 +152,26 @@ def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: 
 
 
 def fail_ingest(s: Session, batch_id: str, errors: dict[str, Any]) -> bool:
-    """validating -> failed with the line errors; False if the batch had left validating."""
+    """validating -> failed with the line errors (and the ``batch.failed`` webhook event, in the
+    same transaction); False if the batch had left validating."""
+    now = time.time()
     res = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status == BatchStatus.VALIDATING)
-                    .values(status=BatchStatus.FAILED, failed_at=time.time(), errors=errors))
-    return res.rowcount == 1
+                    .values(status=BatchStatus.FAILED, failed_at=now, errors=errors))
+    if res.rowcount != 1:
+        return False
+    batch = s.get(Batch, batch_id, populate_existing=True)
+    document = batch_document(batch, batch_progress(s, [batch])[batch_id])
+    record_event(s, batch.project_id, "batch.failed", batch_id, document, now)
+    return True
 
 
 def plan_ingest(lines: ValidationResult, token_ids: list[list[int]], endpoint: str,
                 settings: Settings) -> IngestPlan:
     max_tokens = [planned_max_tokens(vl.body, endpoint, settings.default_chat_max_tokens,
                                      settings.default_completion_max_tokens) for vl in lines.lines]
-    return IngestPlan(lines, token_ids, max_tokens, plan_shards(token_ids, max_tokens, settings.shard_token_budget,
-                                                                 settings.shard_max_requests))
+    shards = plan_shards(token_ids, max_tokens, settings.shard_token_budget, settings.shard_max_requests,
+                         min_shards=settings.shard_min_count, min_requests=settings.shard_min_requests)
+    return IngestPlan(lines, token_ids, max_tokens, shards)
 
 
 def insert_requests(s: Session, batch_id: str, plan: IngestPlan, now: float) -> Optional[list[int]]:

@@ -31,11 +31,11 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise RequestBodyError("Only text content parts are supported.", f"messages[{i}].content")
+                    raise RequestBodyError("Only text content parts are supported.", f"messages.{i}.content")
                 texts.append(part["text"])
             content = "".join(texts)
         elif not isinstance(content, str):
-            raise RequestBodyError("'content' must be a string or an array of text parts.", f"messages[{i}].content")
+            raise RequestBodyError("'content' must be a string or an array of text parts.", f"messages.{i}.content")
         out.append({"role": msg["role"], "content": content})
     return out
 
@@ -57,13 +57,25 @@ def prompt_token_ids(body: dict[str, Any], endpoint: str, tokenizer) -> list[int
     raise RequestBodyError("Unsupported prompt.", "prompt")
 
 
+def max_tokens_field(body: dict[str, Any]) -> str:
+    """The field the body sets its output limit with: ``max_completion_tokens`` (OpenAI's newer
+    name, which wins when both are given) or ``max_tokens``; errors name the one that was sent."""
+    return "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+
+
 def requested_max_tokens(body: dict[str, Any]) -> Optional[int]:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    name = max_tokens_field(body)
+    value = body.get(name)
     if value is None:
         return None
     if not isinstance(value, int) or isinstance(value, bool):
-        raise RequestBodyError("'max_tokens' must be an integer.", "max_tokens")
+        raise RequestBodyError(f"'{name}' must be an integer.", name)
     return value
+
+
+# Planning counts at most this many output tokens per request: a larger max_tokens cannot run
+# anyway (context_length_exceeded), and the batch's planned totals must fit their columns.
+PLANNED_MAX_TOKENS_CAP = 2**31 - 1
 
 
 def planned_max_tokens(body: dict[str, Any], endpoint: str, default_chat: int, default_completion: int) -> int:
@@ -74,7 +86,7 @@ def planned_max_tokens(body: dict[str, Any], endpoint: str, default_chat: int, d
         return 0
     if value is None:
         return default_chat if endpoint == CHAT else default_completion
-    return max(value, 0)
+    return min(max(value, 0), PLANNED_MAX_TOKENS_CAP)
 
 
 def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
@@ -84,23 +96,91 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RequestBodyError(f"'{name}' must be a number.", name)
     if not lo <= value <= hi:
-        raise RequestBodyError(f"'{name}' must be between {lo} and {hi} (got {value}).", name)
+        raise RequestBodyError(f"'{name}' must be between {lo:g} and {hi:g} (got {value}).", name)
     return float(value)
+
+
+def _integer(body: dict[str, Any], name: str, lo: int, hi: int) -> Optional[int]:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestBodyError(f"'{name}' must be an integer.", name)
+    if not lo <= value <= hi:
+        raise RequestBodyError(f"'{name}' must be between {lo} and {hi} (got {value}).", name)
+    return value
+
+
+MAX_TOP_LOGPROBS = 20            # chat: OpenAI's range for top_logprobs is 0..20
+MAX_COMPLETION_LOGPROBS = 5      # completions: logprobs is 0..5
+LOGIT_BIAS_LIMIT = 100           # logit_bias values are in [-100, 100]
+
+
+def _check_penalties_and_bias(body: dict[str, Any]) -> None:
+    """Values OpenAI accepts are checked as OpenAI checks them; values the engine cannot apply
+    (it has no repetition penalties and no logit bias) are refused rather than ignored."""
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _number(body, name, 0.0, -2.0, 2.0) != 0:
+            raise RequestBodyError(f"'{name}' is not supported by this server (its engine applies no "
+                                   "repetition penalties); leave it out or send 0.", name, "unsupported_value")
+    bias = body.get("logit_bias")
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise RequestBodyError("'logit_bias' must be an object mapping token ids to numbers.", "logit_bias")
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise RequestBodyError(f"Invalid key in 'logit_bias': {key!r} is not a token id (a non-negative "
+                                   "integer).", "logit_bias")
+        param = f"logit_bias.{key}"
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RequestBodyError(f"'{param}' must be a number.", param)
+        if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise RequestBodyError(f"'{param}' must be between -{LOGIT_BIAS_LIMIT} and {LOGIT_BIAS_LIMIT} "
+                                   f"(got {value}).", param)
+    if any(value != 0 for value in bias.values()):
+        raise RequestBodyError("'logit_bias' is not supported by this server (its engine applies no logit bias); "
+                               "leave it out or send an empty object.", "logit_bias", "unsupported_value")
+
+
+def _wants_logprobs(body: dict[str, Any], endpoint: str) -> bool:
+    """Whether the response carries logprobs. The engine gives the logprob of each chosen token
+    and no alternatives, so asking for alternatives (top_logprobs > 0 for chat, logprobs > 0
+    for completions) is refused with a clear message instead of being answered without them."""
+    logprobs = body.get("logprobs")
+    if endpoint == CHAT:
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise RequestBodyError("'logprobs' must be a boolean.", "logprobs")
+        top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top:
+            if not logprobs:
+                raise RequestBodyError("'top_logprobs' requires 'logprobs' to be true.", "top_logprobs")
+            raise RequestBodyError("'top_logprobs' greater than 0 is not supported by this server: it returns "
+                                   "the logprob of each chosen token only; send 0 or leave it out.", "top_logprobs",
+                                   "unsupported_value")
+        return bool(logprobs)
+    count = _integer(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    if count:
+        raise RequestBodyError("'logprobs' greater than 0 is not supported by this server: it returns the "
+                               "logprob of each chosen token only (send 0).", "logprobs", "unsupported_value")
+    return count is not None
 
 
 def sampling_kwargs(body: dict[str, Any], endpoint: str, prompt_len: int, max_model_len: int,
                     default_chat: int, default_completion: int) -> dict[str, Any]:
     """Keyword arguments for ``engine.SamplingParams`` from an OpenAI body.
 
-    Raises RequestBodyError for values no model could run. A missing max_tokens takes the
-    default, clamped so prompt + max_tokens fits the context (an explicit one is not clamped:
-    the engine then answers context_length_exceeded, as OpenAI does)."""
+    Raises RequestBodyError for values no model could run, naming the field the body used.
+    A missing max_tokens takes the default, clamped so prompt + max_tokens fits the context (an
+    explicit one is not clamped: the engine then answers context_length_exceeded, as OpenAI
+    does)."""
     max_tokens = requested_max_tokens(body)
     if max_tokens is None:
         default = default_chat if endpoint == CHAT else default_completion
         max_tokens = max(1, min(default, max_model_len - prompt_len))
     elif max_tokens < 1:
-        raise RequestBodyError("'max_tokens' must be at least 1.", "max_tokens")
+        name = max_tokens_field(body)
+        raise RequestBodyError(f"'{name}' must be at least 1 (got {max_tokens}).", name)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -114,27 +194,21 @@ def sampling_kwargs(body: dict[str, Any], endpoint: str, prompt_len: int, max_mo
     top_k = body.get("top_k", 0)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < -1:
         raise RequestBodyError("'top_k' must be an integer >= -1.", "top_k")
-    logprobs = body.get("logprobs")
-    if endpoint == CHAT:
-        if logprobs is not None and not isinstance(logprobs, bool):
-            raise RequestBodyError("'logprobs' must be a boolean.", "logprobs")
-        want_logprobs = bool(logprobs)
-    else:
-        if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
-            raise RequestBodyError("'logprobs' must be a non-negative integer.", "logprobs")
-        want_logprobs = logprobs is not None
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise RequestBodyError("'ignore_eos' must be a boolean.", "ignore_eos")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    _check_penalties_and_bias(body)
     return {
         "max_tokens": max_tokens,
-        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
+        "temperature": temperature,
+        "top_p": top_p,
         "top_k": top_k,
         "seed": seed,
         "stop": stop,
         "ignore_eos": ignore_eos,
-        "logprobs": want_logprobs,
+        "logprobs": _wants_logprobs(body, endpoint),
     }
 
 
@@ -150,19 +224,33 @@ def usage_body(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -
 
 def response_body(endpoint: str, response_id: str, created: int, model: str, text: str, finish_reason: str,
                   prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                  logprobs: Optional[list[float]] = None) -> dict[str, Any]:
-    """The body of a successful response, shaped like OpenAI's chat.completion / text_completion."""
+                  logprobs: Optional[list[float]] = None, tokens: Optional[list[str]] = None) -> dict[str, Any]:
+    """The body of a successful response, shaped like OpenAI's chat.completion / text_completion.
+
+    ``logprobs``: the logprob of each generated token (when the body asked for them);
+    ``tokens``: the text of each generated token, where the caller has it (the token fields
+    are null otherwise). There are no alternatives: ``top_logprobs`` is empty (chat) or null."""
     usage = usage_body(prompt_tokens, cached_tokens, completion_tokens)
     finish_reason = finish_reason if finish_reason in ("stop", "length") else "stop"
+    texts: list[Optional[str]] = list(tokens) if tokens is not None and logprobs is not None \
+        and len(tokens) == len(logprobs) else [None] * len(logprobs or [])
     if endpoint == CHAT:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                                   "logprobs": None, "finish_reason": finish_reason}
         if logprobs is not None:
-            choice["logprobs"] = {"content": [{"token": None, "logprob": lp} for lp in logprobs]}
+            choice["logprobs"] = {"content": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")) if t is not None else None,
+                 "top_logprobs": []} for t, lp in zip(texts, logprobs)], "refusal": None}
         return {"id": f"chatcmpl-{response_id}", "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage, "system_fingerprint": None}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
     if logprobs is not None:
-        choice["logprobs"] = {"token_logprobs": logprobs}
+        known = all(t is not None for t in texts)
+        offsets, at = [], 0
+        for t in texts if known else []:
+            offsets.append(at)
+            at += len(t)
+        choice["logprobs"] = {"tokens": texts if known else None, "token_logprobs": logprobs,
+                              "top_logprobs": None, "text_offset": offsets if known else None}
     return {"id": f"cmpl-{response_id}", "object": "text_completion", "created": created, "model": model,
             "choices": [choice], "usage": usage}

@@ -8,8 +8,12 @@ leave behind, using only database state.
   be read, once its wake-up is older than ``requeue_pending_after_seconds``. A shard whose
   wake-up still waits is left alone (no duplicate messages piling up);
 - an in_progress batch whose shards are all terminal moves to finalizing; a finalizing or
-  cancelling batch whose message is old and whose finalize holds no live lease is re-sent; a
-  validating batch whose ingest message is old is re-sent.
+  cancelling batch whose finalize holds no live lease is re-sent once its finalize (or cancel)
+  wake-up is not waiting in the broker's cpu queue (the caller reads it: ``queued_batches``) and
+  was sent ``requeue_missing_after_seconds`` ago (lost with a Redis restart, or taken by a
+  worker that died inside finalize, whose lease then ran out); where the queue cannot be read,
+  once its message is older than ``requeue_pending_after_seconds``. A validating batch whose
+  ingest message is that old is re-sent (an ingest holds no lease that would prove it dead).
 Expiry is its own beat task (``nightshift.workers.batch_upkeep.expire_due_batches``): batches
 past their window are drained.
 Duplicated messages are harmless: every task re-checks state with a conditional UPDATE.
@@ -36,13 +40,15 @@ class Actions:
     finalize: list[str] = field(default_factory=list)
     ingest: list[str] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)
+    expired_leases: int = 0           # running shards whose worker stopped heart-beating
 
 
 def reconcile(s: Session, settings: Settings, now: Optional[float] = None,
-              queued: Optional[set[int]] = None) -> Actions:
+              queued: Optional[set[int]] = None, queued_batches: Optional[set[str]] = None) -> Actions:
     """One pass over the database state; the messages to send are returned, to be sent once
     the caller has committed. ``queued``: the shard ids whose run_shard wake-up waits in the
-    broker's queue now (None: unknown)."""
+    broker's queue now; ``queued_batches``: the batch ids whose finalize or cancel wake-up waits
+    there (None: unknown)."""
     now = time.time() if now is None else now
     stale = now - settings.requeue_pending_after_seconds
     acts = Actions()
@@ -60,6 +66,7 @@ def reconcile(s: Session, settings: Settings, now: Optional[float] = None,
                                 enqueued_at=now, last_error="lease expired (worker stopped heart-beating)"))
         if res.rowcount == 1:
             acts.run_shards.append(shard_id)
+            acts.expired_leases += 1
     # 2. pending shards whose wake-up is lost
     sent_before = stale if queued is None else now - settings.requeue_missing_after_seconds
     for shard_id, attempt in s.execute(select(Shard.id, Shard.attempt).where(
@@ -81,7 +88,11 @@ def reconcile(s: Session, settings: Settings, now: Optional[float] = None,
     no_live_finalize = or_(Batch.finalize_lease_expires_at.is_(None), Batch.finalize_lease_expires_at < now)
     for status, bucket in ((BatchStatus.FINALIZING, acts.finalize), (BatchStatus.CANCELLING, acts.cancel),
                            (BatchStatus.VALIDATING, acts.ingest)):
-        ids = list(s.scalars(select(Batch.id).where(Batch.status == status, last_sent < stale, no_live_finalize)))
+        peeked = queued_batches is not None and status != BatchStatus.VALIDATING
+        sent_before = now - settings.requeue_missing_after_seconds if peeked else stale
+        ids = [i for i in s.scalars(select(Batch.id).where(Batch.status == status, last_sent < sent_before,
+                                                           no_live_finalize))
+               if not (peeked and i in queued_batches)]
         if ids:
             s.execute(update(Batch).where(Batch.id.in_(ids)).values(last_enqueued_at=now))
             bucket.extend(i for i in ids if i not in bucket)

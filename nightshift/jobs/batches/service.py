@@ -13,7 +13,7 @@ from nightshift.jobs.batches.lifecycle import InvalidTransition, request_cancel
 from nightshift.jobs.batches.models import Batch, BatchStatus
 from nightshift.jobs.batches.openai_mapping import ENDPOINTS
 from nightshift.jobs.errors import Conflict, InvalidInput, NotFound
-from nightshift.jobs.files.service import get_file
+from nightshift.jobs.files.service import check_not_expired, get_file
 from nightshift.jobs.ids import new_id
 from nightshift.settings import Settings
 
@@ -35,6 +35,7 @@ def create_batch(session: Session, settings: Settings, *, project_id: str, input
         raise InvalidInput(f"File '{input_file_id}' has purpose '{source.purpose}'; a batch needs a file "
                            "uploaded with purpose 'batch'.", "input_file_id", "invalid_value")
     created = time.time()
+    check_not_expired(source, "input_file_id", created)   # an expired file is about to be removed
     batch = Batch(id=new_id("batch_"), project_id=project_id, input_file_id=input_file_id, endpoint=endpoint,
                   completion_window=completion_window, status=BatchStatus.VALIDATING, metadata_=metadata,
                   output_expires_after_seconds=output_expires_after_seconds, created_at=created,

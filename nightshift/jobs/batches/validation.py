@@ -1,7 +1,12 @@
 """Streaming validation of a batch input file.
 
 Every line is checked; each bad line gives one error entry ``{code, message, param, line}``
-with OpenAI's codes. Lines are numbered from 1; blank lines are skipped (but counted).
+with OpenAI's codes, ``param`` the path of the field (``custom_id``, ``body.messages.2.role``).
+Lines are numbered from 1; blank lines are skipped (but counted); a UTF-8 byte order mark
+before the first line is skipped, as most JSONL readers do.
+Everything stored from a line must be storable in any database: no NUL character (Postgres
+text and JSON cannot hold one) in ``custom_id`` or anywhere in the body, no deeper nesting than
+``MAX_BODY_DEPTH``, a ``custom_id`` within its column.
 The body's sampling values are not judged here: a bad value fails only that request
 (an error-file line), not the batch.
 """
@@ -13,8 +18,13 @@ from typing import Any, Iterable, Optional
 import orjson
 
 from nightshift.jobs.batches.openai_mapping import CHAT
+from nightshift.jobs.storable import MAX_JSON_DEPTH, unstorable_value
 
 MAX_ERRORS = 1000  # entries kept on the batch object; the count of the rest is reported
+MAX_CUSTOM_ID_CHARS = 512   # the requests.custom_id column
+MAX_BODY_DEPTH = MAX_JSON_DEPTH   # nested arrays/objects in a body
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")   # OpenAI's roles
+BOM = b"\xef\xbb\xbf"
 
 
 @dataclass
@@ -40,7 +50,8 @@ class ValidationResult:
         if len(self.errors) >= MAX_ERRORS:
             self.suppressed_errors += 1
             return
-        self.errors.append({"code": code, "message": message, "param": param, "line": line})
+        # The entries are stored (a JSON column): a NUL quoted from the input must not come with them.
+        self.errors.append({"code": code, "message": _storable(message), "param": _storable(param), "line": line})
 
     def errors_object(self) -> dict[str, Any]:
         data = list(self.errors)
@@ -48,6 +59,15 @@ class ValidationResult:
             data.append({"code": "too_many_errors", "param": None, "line": None,
                          "message": f"{self.suppressed_errors} more invalid lines not listed."})
         return {"object": "list", "data": data}
+
+
+def _storable(text: Optional[str]) -> Optional[str]:
+    return text.replace("\x00", "\\u0000") if text is not None and "\x00" in text else text
+
+
+def _shown(text: str, limit: int = 40) -> str:
+    """A piece of user input quoted in a message (short, NUL and control characters escaped)."""
+    return repr(text[:limit] + ("…" if len(text) > limit else ""))
 
 
 def _missing(name: str, line: int, result: ValidationResult) -> None:
@@ -73,7 +93,13 @@ def _check_body(body: dict[str, Any], endpoint: str, line: int, result: Validati
             for i, msg in enumerate(messages):
                 if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or "content" not in msg:
                     result.add_error("invalid_request", f"messages[{i}] must be an object with 'role' and 'content'.",
-                                     f"body.messages[{i}]", line)
+                                     f"body.messages.{i}", line)
+                    ok = False
+                    break
+                if msg["role"] not in CHAT_ROLES:
+                    result.add_error("invalid_value", f"Invalid value: {_shown(msg['role'])}. Supported values "
+                                     "are: " + ", ".join(f"'{r}'" for r in CHAT_ROLES) + ".",
+                                     f"body.messages.{i}.role", line)
                     ok = False
                     break
     else:
@@ -112,6 +138,8 @@ def validate_lines(raw_lines: Iterable[bytes], endpoint: str, accepted_models: s
         if result.bytes_read > max_bytes + 1:
             result.add_error("file_too_large", f"The input file is larger than {max_bytes} bytes.", None, number)
             return result
+        if number == 1 and raw.startswith(BOM):
+            raw = raw[len(BOM):]
         if not raw.strip():
             continue
         n_requests += 1
@@ -138,6 +166,14 @@ def validate_lines(raw_lines: Iterable[bytes], endpoint: str, accepted_models: s
             line_ok = False
         elif not isinstance(custom_id, str) or not custom_id:
             result.add_error("invalid_request", "'custom_id' must be a non-empty string.", "custom_id", number)
+            line_ok = False
+        elif "\x00" in custom_id:
+            result.add_error("invalid_request", "'custom_id' contains a NUL character (\\u0000), which cannot be "
+                             "stored.", "custom_id", number)
+            line_ok = False
+        elif len(custom_id) > MAX_CUSTOM_ID_CHARS:
+            result.add_error("invalid_request", f"'custom_id' is longer than {MAX_CUSTOM_ID_CHARS} characters "
+                             f"({len(custom_id)}).", "custom_id", number)
             line_ok = False
         elif custom_id in seen:
             result.add_error("duplicate_custom_id",
@@ -169,6 +205,13 @@ def validate_lines(raw_lines: Iterable[bytes], endpoint: str, accepted_models: s
             continue
         if not isinstance(body, dict):
             result.add_error("invalid_request", "'body' must be a JSON object.", "body", number)
+            continue
+        # A NUL can only arrive escaped, and deep nesting needs many brackets: most lines skip the walk.
+        suspect = b"\\u0000" in raw or raw.count(b"{") + raw.count(b"[") > MAX_BODY_DEPTH
+        unstorable = unstorable_value(body, "body") if suspect else None
+        if unstorable is not None:
+            param, reason = unstorable
+            result.add_error("invalid_request", f"'{param}' {reason}.", param, number)
             continue
         model = body.get("model")
         if model is None:

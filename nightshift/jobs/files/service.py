@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from typing import Iterator, Optional
 
 from sqlalchemy import select, tuple_
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from nightshift.jobs.errors import NotFound
+from nightshift.jobs.errors import InvalidInput, NotFound
 from nightshift.jobs.files.models import File
 from nightshift.storage.objectstore import ObjectStore
 
@@ -18,6 +19,14 @@ def get_file(session: Session, project_id: str, file_id: str, param: Optional[st
     if row is None or row.project_id != project_id or row.deleted_at is not None:
         raise NotFound("file", file_id, param)
     return row
+
+
+def check_not_expired(row: File, param: str, now: Optional[float] = None) -> None:
+    """InvalidInput (``file_expired``) if the file's expiry time has passed."""
+    now = time.time() if now is None else now
+    if row.expires_at is not None and row.expires_at <= now:
+        when = datetime.fromtimestamp(row.expires_at, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+        raise InvalidInput(f"File '{row.id}' expired at {when}; upload it again.", param, "file_expired")
 
 
 def list_files(session: Session, project_id: str, *, after: Optional[str] = None, limit: int = 10_000,
@@ -57,13 +66,14 @@ def file_content(store: ObjectStore, row: File) -> Iterator[bytes]:
 
 
 def upsert_result_file(session: Session, *, file_id: str, project_id: str, filename: str, object_key: str,
-                       size: int, now: float, lines: Optional[int] = None) -> None:
+                       size: int, now: float, lines: Optional[int] = None,
+                       expires_at: Optional[float] = None) -> None:
     """Register a file the service wrote for a project (batch output, errors, cost report) under
     a derived id: one INSERT ... ON CONFLICT, so two finalizes at once (a retried message racing
     the first) both succeed and leave one row describing the object."""
     insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
     stmt = insert(File).values(id=file_id, project_id=project_id, filename=filename, purpose="batch_output",
                                bytes=size, object_key=object_key, status="processed", line_count=lines,
-                               created_at=now)
+                               created_at=now, expires_at=expires_at)
     session.execute(stmt.on_conflict_do_update(index_elements=["id"], set_={
-        "bytes": size, "object_key": object_key, "line_count": lines, "deleted_at": None}))
+        "bytes": size, "object_key": object_key, "line_count": lines, "deleted_at": None, "expires_at": expires_at}))

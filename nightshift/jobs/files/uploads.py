@@ -11,10 +11,12 @@ from sqlalchemy.orm import Session
 from nightshift.jobs.errors import InvalidInput
 from nightshift.jobs.files.models import File
 from nightshift.jobs.ids import new_id
+from nightshift.jobs.storable import unstorable_text
 from nightshift.settings import Settings
 from nightshift.storage.objectstore import ObjectStore
 
 BATCH_FILE_TTL_SECONDS = 30 * 24 * 3600   # OpenAI: purpose=batch files expire after 30 days
+MAX_FILENAME_CHARS = 512                  # the files.filename column
 UPLOAD_PURPOSES = ("batch",)
 
 
@@ -28,6 +30,7 @@ class _LimitedCounter:
         self.bytes = 0
         self.newlines = 0
         self.last_byte = b""
+        self.blank = True    # nothing but whitespace so far
 
     def read(self, n: int = -1) -> bytes:
         data = self.raw.read(n)
@@ -35,6 +38,7 @@ class _LimitedCounter:
             self.bytes += len(data)
             self.newlines += data.count(b"\n")
             self.last_byte = data[-1:]
+            self.blank = self.blank and not data.strip()
             if self.bytes > self.max_bytes:
                 raise InvalidInput(f"File is larger than the limit of {self.max_bytes} bytes.",
                                    "file", "file_too_large")
@@ -67,11 +71,15 @@ class StoredUpload:
 def store_upload(store: ObjectStore, settings: Settings, *, filename: str, purpose: str,
                  source: BinaryIO) -> StoredUpload:
     """Check the upload's name and purpose, then stream ``source`` into the store, counting bytes
-    and lines against the limits (the object is removed again if anything fails). Needs no
-    database: the API calls it without holding a connection."""
+    and lines against the limits (the object is removed again if anything fails). A file of
+    nothing but whitespace is refused as empty, as a 0-byte one is. Needs no database: the API
+    calls it without holding a connection."""
     if purpose not in UPLOAD_PURPOSES:
         raise InvalidInput(f"Invalid value: '{purpose}'. Supported values are: 'batch'.", "purpose",
                            "invalid_value")
+    if unstorable_text(filename) or len(filename) > MAX_FILENAME_CHARS:
+        why = unstorable_text(filename) or f"is longer than {MAX_FILENAME_CHARS} characters"
+        raise InvalidInput(f"Invalid file name: it {why}.", "file", "invalid_value")
     if not filename.endswith(".jsonl"):
         raise InvalidInput("Invalid file format for Batch API. Must be .jsonl", "file", "invalid_file_format")
     file_id = new_id("file-")
@@ -79,7 +87,7 @@ def store_upload(store: ObjectStore, settings: Settings, *, filename: str, purpo
     counter = _LimitedCounter(source, settings.max_file_bytes, settings.max_lines)
     try:
         store.put_stream(key, counter)
-        if counter.lines == 0:
+        if counter.blank:   # 0 bytes, or whitespace only: no line to run either way
             raise InvalidInput("The file is empty.", "file", "empty_file")
     except BaseException:
         store.delete(key)

@@ -20,6 +20,8 @@ from sqlalchemy.orm import Session
 from nightshift.jobs.ids import new_id
 from nightshift.jobs.schedules.cron import due_time_to_fire, next_due_at, utc
 from nightshift.jobs.schedules.models import RunStatus, Schedule, ScheduleRun, ScheduleStatus
+from nightshift.jobs.schedules.runs import run_document
+from nightshift.jobs.webhooks.events import record_event
 
 
 def _insert_run_if_absent(session: Session, values: dict) -> bool:
@@ -81,7 +83,12 @@ def stale_pending_runs(session: Session, now: float, older_than: float) -> list[
 
 
 def fail_runs_without_batch(session: Session, now: float) -> None:
-    """A SUBMITTED run whose batch row was deleted would block its schedule forever: fail it."""
-    session.execute(update(ScheduleRun).where(ScheduleRun.status == RunStatus.SUBMITTED,
-                                              ScheduleRun.batch_id.is_(None))
-                    .values(status=RunStatus.FAILED, error="its batch was deleted", finished_at=now))
+    """A SUBMITTED run whose batch row was deleted would block its schedule forever: fail it
+    (and tell the project's webhooks)."""
+    orphans = session.scalars(select(ScheduleRun).where(ScheduleRun.status == RunStatus.SUBMITTED,
+                                                        ScheduleRun.batch_id.is_(None)).with_for_update()).all()
+    for run in orphans:
+        run.status, run.error, run.finished_at = RunStatus.FAILED, "its batch was deleted", now
+        session.flush()
+        record_event(session, session.get(Schedule, run.schedule_id).project_id, "schedule_run.failed", run.id,
+                     run_document(run), now)

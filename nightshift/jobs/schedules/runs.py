@@ -22,6 +22,7 @@ from nightshift.jobs.files.uploads import create_file
 from nightshift.jobs.schedules.models import IndexedDocument, RunStatus, Schedule, ScheduleRun
 from nightshift.jobs.schedules.reindex import build_manifest, manifest_key, output_document, output_key
 from nightshift.jobs.schedules.run_inputs import RunInputError, collect_input
+from nightshift.jobs.webhooks.events import record_event
 from nightshift.settings import Settings
 from nightshift.storage.objectstore import ObjectStore
 
@@ -43,7 +44,7 @@ def start_run(session: Session, store: ObjectStore, settings: Settings, run_id: 
     try:
         collected = collect_input(session, schedule, store, settings)
     except (RunInputError, KeyError) as exc:
-        run.status, run.error, run.finished_at = RunStatus.FAILED, str(exc), now
+        _fail(session, schedule, run, str(exc), now)
         return None
     run.documents_total = len(collected.current)
     run.documents_selected = len(collected.changed)
@@ -62,10 +63,28 @@ def start_run(session: Session, store: ObjectStore, settings: Settings, run_id: 
                              input_file_id=file.id, endpoint=schedule.endpoint,
                              completion_window=schedule.completion_window, metadata=metadata)
     except InvalidInput as exc:   # e.g. more changed documents than a batch may hold
-        run.status, run.error, run.finished_at = RunStatus.FAILED, exc.message, now
+        _fail(session, schedule, run, exc.message, now)
         return None
     run.batch_id, run.input_file_id, run.status = batch.id, file.id, RunStatus.SUBMITTED
     return batch.id
+
+
+def run_document(run: ScheduleRun) -> dict:
+    """A run as the API shows it (``schedule.run``)."""
+    return {"id": run.id, "object": "schedule.run", "schedule_id": run.schedule_id, "due_at": int(run.due_at),
+            "fired_at": int(run.fired_at), "status": run.status, "batch_id": run.batch_id,
+            "input_file_id": run.input_file_id, "documents_total": run.documents_total,
+            "documents_selected": run.documents_selected, "documents_indexed": run.documents_indexed,
+            "documents_failed": run.documents_failed, "documents_removed": run.documents_removed,
+            "error": run.error, "finished_at": int(run.finished_at) if run.finished_at is not None else None}
+
+
+def _fail(session: Session, schedule: Schedule, run: ScheduleRun, error: str, now: float) -> None:
+    """The run failed: its status, and the schedule_run.failed event for the project's webhooks
+    (in this transaction)."""
+    run.status, run.error, run.finished_at = RunStatus.FAILED, error, now
+    session.flush()
+    record_event(session, schedule.project_id, "schedule_run.failed", run.id, run_document(run), now)
 
 
 def _upsert_indexed(session: Session, values: dict) -> None:
@@ -103,11 +122,12 @@ def _publish(session: Session, store: ObjectStore, schedule: Schedule, run: Sche
         session.execute(delete(IndexedDocument).where(IndexedDocument.schedule_id == schedule.id,
                                                       IndexedDocument.doc_key.in_(run.removed)))
     ok = batch is None or batch.status == BatchStatus.COMPLETED
-    run.status = RunStatus.SUCCEEDED if ok else RunStatus.FAILED
-    run.error = None if ok else f"batch {batch.id} ended {batch.status}"
     run.documents_indexed, run.documents_failed = indexed, failed
     run.documents_removed = len(run.removed or [])
-    run.finished_at = now
+    if ok:
+        run.status, run.error, run.finished_at = RunStatus.SUCCEEDED, None, now
+    else:
+        _fail(session, schedule, run, f"batch {batch.id} ended {batch.status}", now)
     session.flush()
     documents = {
         d.doc_key: {"sha256": d.sha256, "output_key": d.output_key, "indexed_at": int(d.indexed_at),

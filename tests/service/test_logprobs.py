@@ -1,0 +1,63 @@
+"""Logprobs through the real engine and shard stream: each generated token's logprob with its
+text (decoded by the model's tokenizer), in OpenAI's chat and completions shapes; alternatives
+(top_logprobs) are refused per request, not silently dropped."""
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from nightshift.jobs.batches.models import Batch
+from nightshift.storage.db import session_scope
+from nightshift.workers.finalize import finalize_batch
+from nightshift.workers.ingest import ingest_batch
+from nightshift.workers.shard_stream import run_shard
+from tests.service.factories import make_batch, make_input_file, make_project
+from tests.service.test_pipeline import CHAT, engine, line, read  # noqa: F401  (the session's engine)
+
+pytestmark = pytest.mark.slow
+
+
+def outputs(db_url, store, settings, engine, lines, endpoint=CHAT):  # noqa: ANN001, ANN201, F811
+    """The response bodies of a batch run through ingest, the shard stream and finalize, by custom_id."""
+    pid = make_project(db_url)
+    bid = make_batch(db_url, pid, make_input_file(db_url, store, pid, lines), endpoint=endpoint)
+    for shard_id in ingest_batch(bid, engine.tokenizer, settings=settings, store=store).shard_ids:
+        run_shard(shard_id, engine, settings=settings, owner="w", device="cpu")
+    assert finalize_batch(bid, settings=settings, store=store).status == "completed"
+    with session_scope(db_url) as s:
+        b = s.get(Batch, bid)
+        out = read(store, db_url, b.output_file_id)
+        errors = read(store, db_url, b.error_file_id) if b.error_file_id else []
+    return {o["custom_id"]: o["response"]["body"] for o in out + errors}
+
+
+def test_chat_logprobs_carry_each_token_text(pg_db, settings_env, tmp_path, engine):  # noqa: F811
+    from nightshift.storage.objectstore import get_object_store
+
+    settings = settings_env(database_url=pg_db, storage_dir=tmp_path / "o")
+    store = get_object_store()
+    bodies = outputs(pg_db, store, settings, engine, [
+        line(0, logprobs=True, ignore_eos=True), line(1), line(2, logprobs=True, top_logprobs=2)])
+    chat = bodies["c0"]["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert len(content) == bodies["c0"]["usage"]["completion_tokens"] == 4
+    assert "".join(c["token"] for c in content) == chat["message"]["content"]
+    for c in content:
+        assert c["logprob"] <= 0 and c["bytes"] == list(c["token"].encode()) and c["top_logprobs"] == []
+    assert bodies["c1"]["choices"][0]["logprobs"] is None                     # not asked for
+    assert bodies["c2"]["error"]["code"] == "unsupported_value" and bodies["c2"]["error"]["param"] == "top_logprobs"
+
+
+def test_completion_logprobs_carry_tokens_and_offsets(pg_db, settings_env, tmp_path, engine):  # noqa: F811
+    from nightshift.storage.objectstore import get_object_store
+
+    settings = settings_env(database_url=pg_db, storage_dir=tmp_path / "o")
+    store = get_object_store()
+    lines = [{"custom_id": "p0", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "default", "prompt": "The sky is", "max_tokens": 4, "temperature": 0,
+                       "ignore_eos": True, "logprobs": 0}}]
+    choice = outputs(pg_db, store, settings, engine, lines, "/v1/completions")["p0"]["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 4 and "".join(lp["tokens"]) == choice["text"]
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(4)]
+    assert orjson.loads(orjson.dumps(lp))["top_logprobs"] is None
