@@ -4,6 +4,11 @@
 - ``services``: a new Postgres database, a Redis database, moto's S3 server (its own process,
   so it does not share the benchmark's GIL), uvicorn with two workers, one engine worker and
   one cpu worker with beat: the production shape on one machine.
+
+For fault injection (``bench.chaos``, ``tests/service/test_faults.py``): ``RedisServer`` (a
+redis-server of its own, restartable, nothing persisted), ``MotoServer`` (moto in its own
+process, pausable with SIGSTOP/SIGCONT) and ``cluster()``, the production shape with every
+process (API, engine workers, cpu worker, upkeep worker + beat) killable and restartable.
 """
 from __future__ import annotations
 
@@ -164,3 +169,297 @@ def running_service(shape: str, *, api_workers: int = 2, **settings: object) -> 
                     procs.stop(proc, timeout=15)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# ---- restartable pieces, for fault injection -------------------------------------------------
+
+class RedisServer:
+    """A redis-server of our own on a free port, with no persistence (``--save "" --appendonly
+    no``): a restart comes back empty, every queued or unacknowledged message lost, as a broker
+    that crashed without an append-only file does."""
+
+    def __init__(self, log_dir: Path, port: Optional[int] = None):
+        self.log_dir = log_dir
+        self.port = port or free_port()
+        self.proc: Optional[subprocess.Popen] = None
+        self.starts = 0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 30.0) -> "RedisServer":
+        import redis
+
+        with open(self.log_dir / "redis.log", "ab") as log:
+            self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+                                          "--save", "", "--appendonly", "no", "--dir", str(self.log_dir),
+                                          "--protected-mode", "no"],
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.starts += 1
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=1)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server on port {self.port} exited with {self.proc.returncode}")
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"redis-server on port {self.port} did not answer") from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def kill(self) -> None:
+        """SIGKILL: whatever it held is gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            procs.kill_group(self.proc)
+
+    def restart(self, down_seconds: float = 0.0) -> None:
+        """Kill it, stay down ``down_seconds``, start it again empty on the same port."""
+        self.kill()
+        time.sleep(down_seconds)
+        self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            procs.stop(self.proc, timeout=10)
+
+
+class MotoServer:
+    """moto's S3 server in its own process group, which can be paused (SIGSTOP) and resumed
+    (SIGCONT): a stalled object store, as a partition or an overloaded endpoint looks to a
+    client (the kernel still accepts connections; nothing answers)."""
+
+    def __init__(self, log_dir: Path):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.paused = False
+        with open(log_dir / "moto.log", "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_http(self.endpoint, self.proc, timeout=60)
+
+    def client(self):  # noqa: ANN201
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1", aws_access_key_id="bench",
+                            aws_secret_access_key="bench")
+
+    def new_bucket(self) -> str:
+        name = f"nightshift-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def pause(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
+        self.paused = False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.resume()
+        procs.stop(self.proc, timeout=10)
+
+
+def parent_pid(pid: int) -> Optional[int]:
+    """The parent of a live process (Linux /proc), None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+WORKER_QUEUES = {"cpu": "cpu", "upkeep": "upkeep"}   # engine workers ("engine1", ...) take "gpu"
+
+
+@dataclass
+class Cluster:
+    """The production shape on one machine with every process restartable: a new Postgres
+    database, a redis-server of its own, moto in its own process, uvicorn (the API), engine
+    workers ``engine1..N`` (queue gpu, -c 1, nice 10, ``engine_threads`` torch threads each), a
+    ``cpu`` worker and an ``upkeep`` worker with beat. Each process is its own process group
+    (``kill`` SIGKILLs a worker with its pool child, uvicorn with its workers); ``start``
+    starts a fresh one (a worker under a new node name), as a supervisor would."""
+
+    work: Path
+    env: dict[str, str]
+    database_url: str
+    redis: RedisServer
+    s3: MotoServer
+    bucket: str
+    api_port: int
+    api_key: str
+    api_workers: int = 2
+    engine_workers: int = 2
+    engine_threads: Optional[int] = None
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    starts: dict[str, int] = field(default_factory=dict)
+    _log_offsets: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}/v1"
+
+    @property
+    def engines(self) -> list[str]:
+        return [f"engine{i + 1}" for i in range(self.engine_workers)]
+
+    @property
+    def worker_names(self) -> list[str]:
+        return [*self.engines, "cpu", "upkeep"]
+
+    def settings(self):  # noqa: ANN201 - nightshift.settings.Settings
+        """The settings every process of the cluster runs with (for this process's own database,
+        object store and broker calls)."""
+        from nightshift.settings import Settings
+
+        prefix = "NIGHTSHIFT_"
+        return Settings(**{k[len(prefix):].lower(): v for k, v in self.env.items()
+                           if k.startswith(prefix) and k != "NIGHTSHIFT_MODEL_CACHE"})
+
+    def log_path(self, name: str) -> Path:
+        return self.work / f"{name}.log"
+
+    def log(self, name: str, tail: int = 4000) -> str:
+        path = self.log_path(name)
+        return path.read_text(errors="replace")[-tail:] if path.exists() else ""
+
+    def start(self, name: str) -> subprocess.Popen:
+        """Start (or start again) one process of the cluster; does not wait for it."""
+        old = self.processes.get(name)
+        if old is not None and old.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        self.starts[name] = self.starts.get(name, 0) + 1
+        log_path = self.log_path(name)
+        self._log_offsets[name] = log_path.stat().st_size if log_path.exists() else 0
+        if name == "api":
+            with open(log_path, "ab") as log:
+                proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "nightshift.api.app:create_app", "--factory",
+                                         "--workers", str(self.api_workers), "--host", "127.0.0.1", "--port",
+                                         str(self.api_port), "--log-level", "warning"],
+                                        env=self.env, cwd=procs.REPO, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        elif name in self.engines:
+            env = self.env if self.engine_threads is None else {**self.env, "OMP_NUM_THREADS": str(self.engine_threads)}
+            proc = procs.start_worker(env, "gpu", f"{name}-{self.starts[name]}", log_path, nice=10)
+        else:
+            proc = procs.start_worker(self.env, WORKER_QUEUES[name], f"{name}-{self.starts[name]}", log_path,
+                                      beat=name == "upkeep")
+        self.processes[name] = proc
+        return proc
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the process and its whole group (a worker's pool child, uvicorn's workers)."""
+        proc = self.processes[name]
+        if proc.poll() is None:
+            procs.kill_group(proc)
+        else:   # its children may outlive it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+    def restart(self, name: str) -> subprocess.Popen:
+        self.kill(name)
+        return self.start(name)
+
+    def alive(self, name: str) -> bool:
+        proc = self.processes.get(name)
+        return proc is not None and proc.poll() is None
+
+    def ready(self, name: str) -> bool:
+        """The API answers /health, or the worker's log shows "ready" since its last start."""
+        if name == "api":
+            try:
+                return httpx.get(f"http://127.0.0.1:{self.api_port}/health", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+        path = self.log_path(name)
+        if not path.exists():
+            return False
+        with open(path, "rb") as f:
+            f.seek(self._log_offsets.get(name, 0))
+            return b" ready." in f.read()
+
+    def wait_ready(self, names: Optional[list[str]] = None, timeout: float = 180.0) -> None:
+        names = list(names or ["api", *self.worker_names])
+        deadline = time.monotonic() + timeout
+        while names:
+            for name in list(names):
+                if not self.alive(name):
+                    raise RuntimeError(f"{name} exited:\n{self.log(name)}")
+                if self.ready(name):
+                    names.remove(name)
+            if names and time.monotonic() > deadline:
+                raise TimeoutError(f"{names} not ready after {timeout}s")
+            time.sleep(0.2)
+
+    def worker_of(self, pid: int) -> Optional[str]:
+        """The live cluster process that ``pid`` is (or whose pool child it is)."""
+        for candidate in (pid, parent_pid(pid)):
+            for name, proc in self.processes.items():
+                if candidate is not None and proc.pid == candidate and proc.poll() is None:
+                    return name
+        return None
+
+    def owner_of_lease(self, lease_owner: Optional[str]) -> Optional[str]:
+        """The cluster process holding a lease (``lease_owner`` is "host:pid" of the pool child)."""
+        if not lease_owner or ":" not in lease_owner:
+            return None
+        pid = lease_owner.rsplit(":", 1)[1]
+        return self.worker_of(int(pid)) if pid.isdigit() else None
+
+    def stop(self) -> None:
+        for proc in self.processes.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.processes.values():
+            procs.stop(proc, timeout=15)
+
+
+@contextlib.contextmanager
+def cluster(work: Optional[Path] = None, *, engine_workers: int = 2, api_workers: int = 2,
+            engine_threads: Optional[int] = None, keep_work: bool = False, **settings: object) -> Iterator[Cluster]:
+    """``Cluster``, started and ready; stopped afterwards. ``work`` holds the logs (a temporary
+    folder, removed afterwards unless ``keep_work``); ``settings`` become NIGHTSHIFT_* variables
+    of every process; ``engine_threads`` sets OMP_NUM_THREADS of the engine workers (engine
+    workers sharing one machine's cores would otherwise each start a thread per core)."""
+    made = work is None
+    work = Path(tempfile.mkdtemp(prefix="nightshift-cluster-")) if made else Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    key = "ns-bench-" + uuid.uuid4().hex
+    try:
+        with contextlib.ExitStack() as stack:
+            database_url = stack.enter_context(postgres_database())
+            redis_server = RedisServer(work).start()
+            stack.callback(redis_server.stop)
+            s3 = MotoServer(work)
+            stack.callback(s3.stop)
+            bucket = s3.new_bucket()
+            home = work / "home"
+            home.mkdir(exist_ok=True)
+            env = procs.service_env(home=home, bootstrap_key=key, database_url=database_url,
+                                    broker_url=redis_server.url, object_store="s3", s3_bucket=bucket,
+                                    s3_endpoint_url=s3.endpoint, s3_access_key_id="bench",
+                                    s3_secret_access_key="bench", s3_addressing_style="path", **settings)
+            migrate = subprocess.run([sys.executable, "-m", "nightshift.api.cli", "migrate"], env=env, cwd=procs.REPO,
+                                     capture_output=True, text=True)
+            if migrate.returncode:
+                raise RuntimeError(f"nightshift migrate failed:\n{migrate.stdout}{migrate.stderr}")
+            running = Cluster(work, env, database_url, redis_server, s3, bucket, free_port(), key,
+                              api_workers=api_workers, engine_workers=engine_workers, engine_threads=engine_threads)
+            stack.callback(running.stop)
+            for name in ["api", *running.worker_names]:
+                running.start(name)
+            running.wait_ready()
+            yield running
+    finally:
+        if made and not keep_work:
+            shutil.rmtree(work, ignore_errors=True)

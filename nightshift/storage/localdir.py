@@ -74,6 +74,16 @@ class LocalDirStore:
                 pass
         return removed
 
+    def keys_older_than(self, prefix: str, older_than_seconds: float) -> Iterator[str]:
+        cutoff = time.time() - older_than_seconds
+        folder = self._path(prefix) if prefix.strip("/") else self.root
+        for path in sorted(folder.rglob("*")) if folder.is_dir() else []:
+            try:
+                if path.is_file() and not path.name.startswith(".tmp-") and path.stat().st_mtime < cutoff:
+                    yield path.relative_to(self.root).as_posix()
+            except FileNotFoundError:   # deleted meanwhile
+                continue
+
     def size(self, key: str) -> int:
         path = self._path(key)
         if not path.is_file():

@@ -29,6 +29,9 @@ class ObjectStore(Protocol):
         """Remove what writes that never finished left behind (incomplete multipart uploads,
         temporary files) older than that; returns how many."""
 
+    def keys_older_than(self, prefix: str, older_than_seconds: float) -> Iterator[str]:
+        """The keys under ``prefix`` of whole objects last written more than that long ago."""
+
 
 class IterableReader(io.RawIOBase):
     """A read-only file object over an iterable of byte chunks (for boto3's upload_fileobj)."""

@@ -154,6 +154,14 @@ class S3Store:
                     aborted += 1
         return aborted
 
+    def keys_older_than(self, prefix: str, older_than_seconds: float) -> Iterator[str]:
+        cutoff = time.time() - older_than_seconds
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                          Prefix=self._key(prefix)):
+            for obj in page.get("Contents", []):
+                if obj["LastModified"].timestamp() < cutoff:
+                    yield obj["Key"][len(self.prefix):]
+
     def size(self, key: str) -> int:
         try:
             return int(self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import logging
 
+from nightshift.jobs.batches.leases import shard_endpoint
 from nightshift.jobs.batches.lifecycle import cancel_now
 from nightshift.jobs.batches.models import BatchStatus
+from nightshift.jobs.batches.openai_mapping import EMBEDDINGS
 from nightshift.settings import get_settings
 from nightshift.storage.db import session_scope
 from nightshift.storage.objectstore import get_object_store
@@ -17,12 +19,14 @@ from nightshift.workers.batch_upkeep import expire_due_batches, reconcile_batche
 from nightshift.workers.celery_app import (TASK_CANCEL, TASK_EXPIRE, TASK_FINALIZE, TASK_INGEST, TASK_RECONCILE,
                                            TASK_RUN_SHARD, TASK_SWEEP_STORAGE, TASK_DELIVER_WEBHOOKS, TASK_EXPIRE_FILES,
                                            app)
-from nightshift.workers.engine_host import engine_device, get_engine, get_tokenizer, worker_identity
+from nightshift.workers.engine_host import (engine_device, get_embedding_engine, get_engine, get_tokenizer,
+                                           worker_identity)
 from nightshift.workers.file_expiry import remove_expired_files
 from nightshift.workers.finalize import finalize_batch
 from nightshift.workers.ingest import ingest_batch
 from nightshift.workers.metrics import worker_metrics
 from nightshift.workers.schedule_runs import complete_batch_run
+from nightshift.workers.storage_sweep import sweep_storage as sweep_objects
 from nightshift.workers.webhooks import deliver_due_webhooks
 
 log = logging.getLogger(__name__)
@@ -44,10 +48,18 @@ def ingest(batch_id: str) -> str:
 
 @app.task(name=TASK_RUN_SHARD)
 def run_shard(shard_id: int) -> str:
-    from nightshift.workers.shard_stream import run_shard as run   # imports the engine: gpu workers only
-
     settings = get_settings()
-    engine = get_engine(settings)
+    with session_scope(settings.resolved_database_url) as s:
+        endpoint = shard_endpoint(s, shard_id)
+    if endpoint is None:
+        return "skipped"
+    # these import the engine: gpu workers only
+    if endpoint == EMBEDDINGS:
+        from nightshift.workers.embedding_stream import run_embedding_shard as run
+        engine = get_embedding_engine(settings)
+    else:
+        from nightshift.workers.shard_stream import run_shard as run
+        engine = get_engine(settings)
     result = run(shard_id, engine, settings=settings, owner=worker_identity(), device=engine_device(engine),
                  on_finalize=dispatch.enqueue_finalize, on_released=dispatch.enqueue_run_shard)
     return result.status
@@ -104,13 +116,14 @@ def expire_tick() -> list[str]:
 
 
 @app.task(name=TASK_SWEEP_STORAGE)
-def sweep_storage() -> int:
-    """What uploads and writes that died midway left in the object store."""
+def sweep_storage() -> dict:
+    """What uploads and writes that died midway left in the object store (workers/storage_sweep.py)."""
     settings = get_settings()
-    removed = get_object_store(settings).sweep_abandoned(settings.abandoned_upload_seconds)
-    if removed:
-        log.info("storage sweep: removed %d abandoned upload(s)", removed)
-    return removed
+    outcome = sweep_objects(settings, get_object_store(settings))
+    if outcome.abandoned or outcome.unrecorded:
+        log.info("storage sweep: removed %d abandoned upload(s), %d upload(s) without a file row",
+                 outcome.abandoned, outcome.unrecorded)
+    return {"abandoned": outcome.abandoned, "unrecorded": outcome.unrecorded}
 
 
 @app.task(name=TASK_EXPIRE_FILES)

@@ -298,3 +298,18 @@ def test_output_expires_after_dates_the_output_and_error_files(any_db, settings,
         b = s.get(Batch, bid)
         for file_id in (b.output_file_id, b.error_file_id):
             assert before + 7200 <= s.get(File, file_id).expires_at <= time.time() + 7200
+
+
+def test_a_lost_cancel_wake_up_is_re_sent_once_the_queue_shows_it_missing(any_db, settings, store):
+    settings = settings.model_copy(update={"requeue_missing_after_seconds": 5, "requeue_pending_after_seconds": 60})
+    bid, _ = make_running_batch(any_db, store, 2, 1)
+    with session_scope(any_db) as s:
+        s.execute(update(Batch).where(Batch.id == bid).values(last_enqueued_at=time.time() - 3600))
+    with session_scope(any_db) as s:
+        cancelled_at = request_cancel(s, bid).cancelling_at      # the cancel wake-up goes out now
+    with session_scope(any_db) as s:
+        assert reconcile(s, settings, now=cancelled_at + 3, queued_batches=set()).cancel == []   # just sent
+    with session_scope(any_db) as s:
+        assert reconcile(s, settings, now=cancelled_at + 6, queued_batches={bid}).cancel == []   # waiting
+    with session_scope(any_db) as s:
+        assert reconcile(s, settings, now=cancelled_at + 6, queued_batches=set()).cancel == [bid]   # lost

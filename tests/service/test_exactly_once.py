@@ -1,15 +1,15 @@
 """SIGKILL a worker mid-shard (Postgres + Redis + S3 via moto + the real engine): the reconciler
 re-enqueues the shard once its lease expires, the new worker skips what was done, and every
-custom_id appears exactly once across the output and error files. The same pipeline also runs
-on the embedded default (SQLite + local folder + filesystem:// broker)."""
+custom_id appears exactly once across the output and error files, with the batch's usage and its
+cost report equal to the sums of the lines (``bench.invariants``). The same pipeline also runs on
+the embedded default (SQLite + local folder + filesystem:// broker)."""
 from __future__ import annotations
 
-import orjson
 import pytest
 from sqlalchemy import select
 
+from bench.invariants import all_custom_ids, check_batch
 from nightshift.jobs.batches.models import Batch, Request, Shard
-from nightshift.jobs.files.models import File
 from nightshift.storage.db import session_scope
 from tests.service.celery_procs import kill_group, service_env, start_worker, stop, wait_for
 from tests.service.factories import make_batch, make_input_file, make_project
@@ -34,17 +34,6 @@ def done_rows(db_url: str, bid: str) -> dict[str, tuple]:
     with session_scope(db_url) as s:
         return {r.custom_id: (r.attempt, r.finished_at, r.worker) for r in s.scalars(
             select(Request).where(Request.batch_id == bid, Request.status != "pending"))}
-
-
-def all_custom_ids(store, db_url: str, bid: str) -> list[str]:  # noqa: ANN001
-    ids = []
-    with session_scope(db_url) as s:
-        b = s.get(Batch, bid)
-        for fid in (b.output_file_id, b.error_file_id):
-            if fid:
-                key = s.get(File, fid).object_key
-                ids += [orjson.loads(x)["custom_id"] for x in b"".join(store.get_stream(key)).splitlines()]
-    return ids
 
 
 def test_sigkill_mid_shard_reports_every_custom_id_exactly_once(pg_db, redis_url, s3_server, s3_bucket,
@@ -83,6 +72,8 @@ def test_sigkill_mid_shard_reports_every_custom_id_exactly_once(pg_db, redis_url
                 stop(proc)
     ids = all_custom_ids(store, pg_db, bid)
     assert sorted(ids) == sorted(f"k{i}" for i in range(N))  # exactly once each
+    check = check_batch(pg_db, store, bid, [f"k{i}" for i in range(N)])
+    assert check.ok and check.status == "completed", check   # usage and cost totals = the lines' sums
     for cid, row in before.items():
         assert after[cid] == row  # written once by attempt 1, never rewritten
     assert {after[c][0] for c in after if c not in before} == {2}
@@ -112,6 +103,7 @@ def test_embedded_default_runs_the_same_pipeline(settings_env, tmp_path):
     finally:
         stop(worker)
     assert sorted(all_custom_ids(store, db_url, bid)) == ["k0", "k1", "k2"]
+    assert check_batch(db_url, store, bid, ["k0", "k1", "k2"]).ok
 
 
 def test_two_engine_workers_share_a_batch_and_answer_each_line_once(pg_db, redis_url, s3_server, s3_bucket,
@@ -141,6 +133,7 @@ def test_two_engine_workers_share_a_batch_and_answer_each_line_once(pg_db, redis
         for proc in procs:
             stop(proc)
     assert sorted(all_custom_ids(store, pg_db, bid)) == sorted(f"k{i}" for i in range(8))
+    assert check_batch(pg_db, store, bid, [f"k{i}" for i in range(8)]).ok
     with session_scope(pg_db) as s:
         shards = s.scalars(select(Shard).where(Shard.batch_id == bid)).all()
         workers = {sh.worker for sh in shards}

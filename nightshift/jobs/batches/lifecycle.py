@@ -36,7 +36,7 @@ def request_cancel(s: Session, batch_id: str, now: Optional[float] = None) -> Ba
     ``nightshift.workers.dispatch.enqueue_cancel(batch_id)``."""
     now = time.time() if now is None else now
     s.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(CANCELLABLE))
-              .values(status=BatchStatus.CANCELLING, cancelling_at=now))
+              .values(status=BatchStatus.CANCELLING, cancelling_at=now, last_enqueued_at=now))
     batch = s.get(Batch, batch_id, populate_existing=True)
     if batch is None:
         raise LookupError(batch_id)

@@ -1,11 +1,13 @@
 """Uploads: stream the bytes into the object store (counted and size-checked on the way),
-then add the file row in the caller's transaction."""
+then add the file row in the caller's transaction. An upload whose process dies between the two
+leaves an object no row names (``unrecorded_keys``), which the upkeep sweep removes."""
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 from typing import BinaryIO, Optional
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from nightshift.jobs.errors import InvalidInput
@@ -52,8 +54,17 @@ class _LimitedCounter:
         return self.newlines + (1 if self.last_byte not in (b"", b"\n") else 0)
 
 
+UPLOAD_PREFIX = "files/"                  # every upload's object key starts with this
+
+
 def object_key(file_id: str) -> str:
-    return f"files/{file_id}"
+    return f"{UPLOAD_PREFIX}{file_id}"
+
+
+def unrecorded_keys(session: Session, keys: list[str]) -> list[str]:
+    """Of these upload object keys, those that no file row names (deleted rows still name theirs)."""
+    recorded = set(session.scalars(select(File.object_key).where(File.object_key.in_(keys))))
+    return [key for key in keys if key not in recorded]
 
 
 @dataclass(frozen=True)
