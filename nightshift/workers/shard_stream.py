@@ -35,7 +35,8 @@ from nightshift.jobs.batches.leases import (Lease, LeaseLost, RequestResult, cla
                                             write_results)
 from nightshift.jobs.batches.lifecycle import start_finalize_if_done
 from nightshift.jobs.batches.models import Batch, Request, RequestStatus
-from nightshift.jobs.batches.openai_mapping import RequestBodyError, error_body, response_body, sampling_kwargs
+from nightshift.jobs.batches.openai_mapping import (CHAT, COMPLETIONS, RequestBodyError, error_body, response_body,
+                                                    sampling_kwargs)
 from nightshift.jobs.ids import response_request_id
 from nightshift.settings import Settings
 from nightshift.storage.db import session_scope
@@ -89,6 +90,10 @@ def run_shard(shard_id: int, engine, *, settings: Settings, owner: str, device: 
 
 
 class ShardStream:
+    # Shards of these endpoints are taken ahead (this stream's engine runs them); a subclass for
+    # another engine overrides it with `_engine_request` and `_result_of` (embedding_stream.py).
+    endpoints: tuple[str, ...] = (CHAT, COMPLETIONS)
+
     def __init__(self, engine, settings: Settings, owner: str, device: str,  # noqa: ANN001
                  on_finalize: Callable[[str], None], on_released: Callable[[int], None]):
         self.engine, self.settings, self.owner, self.device = engine, settings, owner, device
@@ -197,19 +202,26 @@ class ShardStream:
         shard = HeldShard(lease, endpoint, {}, [], [], len(rows))
         for row in rows:
             try:
-                kwargs = sampling_kwargs(row.body, endpoint, len(row.prompt_token_ids), self.engine.max_model_len,
-                                         self.settings.default_chat_max_tokens,
-                                         self.settings.default_completion_max_tokens)
+                request = self._engine_request(row, endpoint)
             except RequestBodyError as e:
                 shard.results.append(RequestResult(row.id, RequestStatus.FAILED, response_status_code=400,
                                                    response_body=error_body(e.code, e.message, e.param),
                                                    finish_reason="error", finished_at=time.time()))
                 continue
-            key = str(row.id)
-            shard.rows[key] = row
-            shard.requests.append(GenerationRequest(key, list(row.prompt_token_ids), SamplingParams(**kwargs)))
+            shard.rows[request.request_id] = row
+            shard.requests.append(request)
         self.timings.load += time.perf_counter() - started
         return shard
+
+    def _engine_request(self, row: Request, endpoint: str) -> GenerationRequest:
+        """The engine request of a pending row (its id: str(row.id)); RequestBodyError if the
+        body cannot run."""
+        kwargs = sampling_kwargs(row.body, endpoint, len(row.prompt_token_ids), self.engine.max_model_len,
+                                 self.settings.default_chat_max_tokens, self.settings.default_completion_max_tokens)
+        return GenerationRequest(str(row.id), list(row.prompt_token_ids), SamplingParams(**kwargs))
+
+    def _result_of(self, row: Request, out, endpoint: str) -> RequestResult:  # noqa: ANN001
+        return _result(row, out, endpoint, self.engine.model_name, self.engine.tokenizer)
 
     # ---- the database thread -----------------------------------------------------------
     def _database_loop(self) -> None:
@@ -267,8 +279,7 @@ class ShardStream:
             shard = self.held.get(self.owner_of.pop(out.request_id, -1))
             if shard is None or shard.lost or out.finish_reason == "abort":
                 continue   # aborted on purpose (lease lost): it stays pending for the shard's new owner
-            shard.results.append(_result(shard.rows.pop(out.request_id), out, shard.endpoint, self.engine.model_name,
-                                         self.engine.tokenizer))
+            shard.results.append(self._result_of(shard.rows.pop(out.request_id), out, shard.endpoint))
             count += 1
         return count
 
@@ -276,7 +287,8 @@ class ShardStream:
         started = time.perf_counter()
         with session_scope(self.url) as s:
             lease = claim_next_shard(s, self.owner, self.settings.lease_seconds, device=self.device,
-                                     waiting_since=time.time() - self.settings.claim_ahead_after_seconds)
+                                     waiting_since=time.time() - self.settings.claim_ahead_after_seconds,
+                                     endpoints=self.endpoints)
         self.timings.claim += time.perf_counter() - started
         if lease is not None:
             _count_claim(lease, "ahead")

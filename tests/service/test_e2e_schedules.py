@@ -144,3 +144,62 @@ def test_nightly_reindex_end_to_end(cluster):
     with session_scope(db_url) as s:
         due_times = s.scalars(select(ScheduleRun.due_at).where(ScheduleRun.schedule_id == schedule_id)).all()
     assert sorted(due_times) == [ts(1) - 5, ts(2) - 5]
+
+
+@pytest.mark.slow
+def test_four_nights_of_embedding_reindex(cluster):
+    """An embeddings schedule over four nights: adds, an edit, a delete and a quiet night. Only
+    changed documents are embedded again; each run writes one index file holding every current
+    document's vector (unchanged ones carried over, deleted ones gone), and the manifest names it."""
+    import math
+
+    service, store, producers, db_url = cluster
+    docs = {"a.txt": b"The cat sat on the mat.", "b.txt": b"Paris is the capital of France.",
+            "c.txt": b"Photosynthesis turns light into chemical energy."}
+    for key, data in docs.items():
+        store.put_stream(f"docs/{key}", data)
+    with session_scope(db_url) as s:
+        pid = new_id("proj_")
+        s.add(Project(id=pid, name=pid))
+        s.flush()
+        schedule_id = create_schedule(
+            s, project_id=pid, name="vectors", cron="0 2 * * *", endpoint="/v1/embeddings", model="default",
+            source={"type": "prefix", "prefix": "docs/"}, index_prefix="vectors/",
+            prompt_template={"input": "{{ document }}"}, now=ts(1) - 86400).id
+
+    def night(day: int) -> tuple[ScheduleRun, dict, dict[str, dict]]:
+        tick_from_both(producers, ts(day))
+        run = wait_for_run(db_url, schedule_id, ts(day) - 5, service)
+        assert run.status == RunStatus.SUCCEEDED, run.error
+        manifest = read_json(store, "vectors/_manifest.json")
+        assert manifest["index_file"] == f"vectors/_index/{run.id}.jsonl"
+        index = {e["key"]: e for e in map(orjson.loads, b"".join(store.get_stream(manifest["index_file"])).splitlines())}
+        assert sorted(index) == sorted(manifest["documents"])
+        for key, entry in index.items():
+            assert entry["sha256"] == manifest["documents"][key]["sha256"]
+            assert len(entry["vector"]) == 384 and abs(math.sqrt(sum(x * x for x in entry["vector"])) - 1) < 1e-4
+        return run, manifest, index
+
+    run1, _, index1 = night(1)
+    assert (run1.documents_selected, run1.documents_indexed) == (3, 3) and sorted(index1) == ["a.txt", "b.txt", "c.txt"]
+    out = read_json(store, "vectors/b.txt.json")
+    assert out["response"]["object"] == "list" and out["response"]["data"][0]["embedding"] == index1["b.txt"]["vector"]
+
+    store.put_stream("docs/b.txt", b"Rome is the capital of Italy.")            # night 2: an edit and an add
+    store.put_stream("docs/d.txt", b"Water boils at one hundred degrees Celsius at sea level.")
+    run2, manifest2, index2 = night(2)
+    assert (run2.documents_total, run2.documents_selected, run2.documents_indexed) == (4, 2, 2)
+    assert index2["a.txt"] == index1["a.txt"] and index2["c.txt"] == index1["c.txt"]     # carried over
+    assert index2["b.txt"]["vector"] != index1["b.txt"]["vector"] and "d.txt" in index2
+    assert manifest2["documents"]["a.txt"]["run_id"] == run1.id and manifest2["documents"]["b.txt"]["run_id"] == run2.id
+
+    store.delete("docs/a.txt")                                                     # night 3: a delete
+    run3, manifest3, index3 = night(3)
+    assert (run3.documents_selected, run3.documents_removed) == (0, 1) and run3.batch_id is None
+    assert sorted(index3) == ["b.txt", "c.txt", "d.txt"] and not store.exists("vectors/a.txt.json")
+    assert all(index3[k] == index2[k] for k in index3)
+
+    run4, manifest4, index4 = night(4)                                             # night 4: nothing changed
+    assert (run4.documents_total, run4.documents_selected, run4.documents_removed) == (3, 0, 0)
+    assert index4 == index3 and manifest4["document_count"] == 3
+    assert store.exists(manifest2["index_file"])                                   # earlier runs' files stay

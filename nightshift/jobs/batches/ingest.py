@@ -24,10 +24,11 @@ import orjson
 from sqlalchemy import insert, update
 from sqlalchemy.orm import Session
 
+from nightshift.jobs.batches import embeddings
 from nightshift.jobs.batches.documents import batch_document
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus, Shard
-from nightshift.jobs.batches.openai_mapping import (CHAT, RequestBodyError, chat_messages, planned_max_tokens,
-                                                    prompt_token_ids, requested_max_tokens)
+from nightshift.jobs.batches.openai_mapping import (CHAT, EMBEDDINGS, RequestBodyError, chat_messages,
+                                                    planned_max_tokens, prompt_token_ids, requested_max_tokens)
 from nightshift.jobs.batches.progress import batch_progress
 from nightshift.jobs.batches.shard_planning import PlannedShard, plan_shards
 from nightshift.jobs.batches.validation import ValidationResult, validate_lines
@@ -60,6 +61,12 @@ class IngestPlan:
     token_ids: list[list[int]]           # per valid line
     max_tokens: list[int]                # per valid line, as planned
     shards: list[PlannedShard]
+    # per valid line, where the prompt is not tokenized at ingest (embeddings: an estimate;
+    # the engine worker tokenizes); None: len(token_ids[i])
+    prompt_tokens: Optional[list[int]] = None
+
+    def prompt_length(self, i: int) -> int:
+        return self.prompt_tokens[i] if self.prompt_tokens is not None else len(self.token_ids[i])
 
 
 def ingest_source(s: Session, batch_id: str) -> IngestSource:
@@ -108,9 +115,10 @@ def validate_input(store: ObjectStore, source: IngestSource, settings: Settings)
         result = ValidationResult()
         result.add_error("invalid_request", f"Cannot find file {source.input_file_id}.", "input_file_id", None)
         return result
-    return validate_lines(iter_lines(store.get_stream(source.object_key)), source.endpoint,
-                          settings.accepted_model_names(), max_lines=settings.max_lines,
-                          max_bytes=settings.max_file_bytes)
+    models = settings.accepted_embedding_model_names() if source.endpoint == EMBEDDINGS \
+        else settings.accepted_model_names()
+    return validate_lines(iter_lines(store.get_stream(source.object_key)), source.endpoint, models,
+                          max_lines=settings.max_lines, max_bytes=settings.max_file_bytes)
 
 
 def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: ANN001
@@ -118,8 +126,13 @@ def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: 
     """Prompt token ids per valid line; a line whose prompt cannot be built becomes a validation error.
 
     Chat prompts are rendered with the model's template, then encoded in batches (the same ids
-    as ``apply_chat_template``, which is render + encode without special tokens)."""
+    as ``apply_chat_template``, which is render + encode without special tokens). Embeddings
+    lines are not tokenized here (the embedding model's tokenizer runs in the engine worker):
+    their ids are empty and the token limit is checked on their estimate."""
     token_ids: list[list[int]] = [[] for _ in result.lines]
+    if endpoint == EMBEDDINGS:
+        _check_token_limit(sum(embeddings.planned_tokens(vl.body) for vl in result.lines), result, settings)
+        return token_ids
     batched = endpoint == CHAT and hasattr(tokenizer, "chat_prompt_encoder")
     encoder = tokenizer.chat_prompt_encoder() if batched else None
     pending: list[tuple[int, str]] = []
@@ -144,11 +157,14 @@ def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: 
                              f"template: {e}", "body.messages", vl.line)
     if pending:
         encode_pending()
-    total = sum(len(t) for t in token_ids)
+    _check_token_limit(sum(len(t) for t in token_ids), result, settings)
+    return token_ids
+
+
+def _check_token_limit(total: int, result: ValidationResult, settings: Settings) -> None:
     if total > settings.max_batch_tokens:
         result.add_error("token_limit_exceeded", f"The batch has {total} prompt tokens; the limit is "
                          f"{settings.max_batch_tokens}.", None, None)
-    return token_ids
 
 
 def fail_ingest(s: Session, batch_id: str, errors: dict[str, Any]) -> bool:
@@ -167,6 +183,11 @@ def fail_ingest(s: Session, batch_id: str, errors: dict[str, Any]) -> bool:
 
 def plan_ingest(lines: ValidationResult, token_ids: list[list[int]], endpoint: str,
                 settings: Settings) -> IngestPlan:
+    if endpoint == EMBEDDINGS:   # in file order, cut by estimated tokens (no prompt prefixes to group)
+        estimates = [embeddings.planned_tokens(vl.body) for vl in lines.lines]
+        shards = plan_shards(token_ids, estimates, settings.shard_token_budget, settings.shard_max_requests,
+                             min_shards=settings.shard_min_count, min_requests=settings.shard_min_requests)
+        return IngestPlan(lines, token_ids, [0] * len(estimates), shards, estimates)
     max_tokens = [planned_max_tokens(vl.body, endpoint, settings.default_chat_max_tokens,
                                      settings.default_completion_max_tokens) for vl in lines.lines]
     shards = plan_shards(token_ids, max_tokens, settings.shard_token_budget, settings.shard_max_requests,
@@ -192,11 +213,12 @@ def insert_requests(s: Session, batch_id: str, plan: IngestPlan, now: float) -> 
             vl = plan.lines.lines[i]
             rows.append((batch_id, shard_id, vl.line, vl.custom_id, orjson.dumps(vl.body).decode(),
                          orjson.dumps(plan.token_ids[i]).decode(), _stored_max_tokens(vl.body),
-                         RequestStatus.PENDING, len(plan.token_ids[i]), 0, 0, 0.0, now))
+                         RequestStatus.PENDING, plan.prompt_length(i), 0, 0, 0.0, now))
     _copy_requests(s, rows)
     s.execute(update(Batch).where(Batch.id == batch_id).values(
         status=BatchStatus.IN_PROGRESS, in_progress_at=now, model=plan.lines.model, request_total=len(rows),
-        planned_prompt_tokens=sum(len(t) for t in plan.token_ids), planned_max_tokens=sum(plan.max_tokens),
+        planned_prompt_tokens=sum(map(plan.prompt_length, range(len(plan.token_ids)))),
+        planned_max_tokens=sum(plan.max_tokens),
         last_enqueued_at=now))
     return shard_ids
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
-from sqlalchemy import and_, bindparam, exists, func, or_, select, update
+from sqlalchemy import and_, bindparam, exists, func, or_, select, true, update
 from sqlalchemy.orm import Session
 
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus, Shard, ShardStatus
@@ -76,6 +76,11 @@ def claim_shard(s: Session, shard_id: int, owner: str, lease_seconds: float, *, 
     return Lease(shard_id, row.batch_id, token, owner, row.attempt, now)
 
 
+def shard_endpoint(s: Session, shard_id: int) -> Optional[str]:
+    """The endpoint of the shard's batch (which engine runs it); None if there is no such shard."""
+    return s.scalar(select(Batch.endpoint).join(Shard, Shard.batch_id == Batch.id).where(Shard.id == shard_id))
+
+
 def renew_lease(s: Session, lease: Lease, lease_seconds: float, now: Optional[float] = None) -> None:
     """Extend the lease (the heartbeat); raises LeaseLost if it is no longer held."""
     now = time.time() if now is None else now
@@ -87,15 +92,18 @@ def renew_lease(s: Session, lease: Lease, lease_seconds: float, now: Optional[fl
 
 
 def claim_next_shard(s: Session, owner: str, lease_seconds: float, *, waiting_since: float,
-                     device: Optional[str] = None, now: Optional[float] = None) -> Optional[Lease]:
+                     device: Optional[str] = None, now: Optional[float] = None,
+                     endpoints: Optional[Sequence[str]] = None) -> Optional[Lease]:
     """Lease the oldest pending shard (oldest batch first) whose wake-up was sent before
     ``waiting_since``: work no idle worker picked up, which a busy worker may take ahead so its
-    engine stays full. None if there is none. Postgres skips shards another claimer has locked;
-    SQLite's writers take turns anyway."""
+    engine stays full. None if there is none. ``endpoints``: only shards of batches of these
+    endpoints (those the caller's engine runs). Postgres skips shards another claimer has
+    locked; SQLite's writers take turns anyway."""
     now = time.time() if now is None else now
     candidate = (select(Shard.id).join(Batch, Batch.id == Shard.batch_id)
                  .where(Shard.status == ShardStatus.PENDING, Batch.status == BatchStatus.IN_PROGRESS,
-                        func.coalesce(Shard.enqueued_at, 0) < waiting_since)
+                        func.coalesce(Shard.enqueued_at, 0) < waiting_since,
+                        Batch.endpoint.in_(endpoints) if endpoints is not None else true())
                  .order_by(Batch.created_at, Shard.batch_id, Shard.seq).limit(1)
                  .with_for_update(of=Shard, skip_locked=True))
     shard_id = s.scalar(candidate)

@@ -7,7 +7,8 @@ from typing import Any, Optional
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT, COMPLETIONS)
+EMBEDDINGS = "/v1/embeddings"    # its bodies: jobs/batches/embeddings.py
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
 
 
 class RequestBodyError(ValueError):

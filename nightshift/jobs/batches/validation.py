@@ -17,7 +17,8 @@ from typing import Any, Iterable, Optional
 
 import orjson
 
-from nightshift.jobs.batches.openai_mapping import CHAT
+from nightshift.jobs.batches import embeddings
+from nightshift.jobs.batches.openai_mapping import CHAT, EMBEDDINGS
 from nightshift.jobs.storable import MAX_JSON_DEPTH, unstorable_value
 
 MAX_ERRORS = 1000  # entries kept on the batch object; the count of the rest is reported
@@ -75,6 +76,8 @@ def _missing(name: str, line: int, result: ValidationResult) -> None:
 
 
 def _check_body(body: dict[str, Any], endpoint: str, line: int, result: ValidationResult) -> bool:
+    if endpoint == EMBEDDINGS:
+        return _check_embeddings_body(body, line, result)
     ok = True
     if body.get("stream"):
         kind = "Chat Completions" if endpoint == CHAT else "Completions"
@@ -116,6 +119,15 @@ def _check_body(body: dict[str, Any], endpoint: str, line: int, result: Validati
         result.add_error("invalid_request", "Only n=1 is supported.", "body.n", line)
         ok = False
     return ok
+
+
+def _check_embeddings_body(body: dict[str, Any], line: int, result: ValidationResult) -> bool:
+    try:
+        embeddings.check_body(body)
+    except embeddings.EmbeddingBodyError as e:
+        result.add_error(e.code, e.message, e.param, line)
+        return False
+    return True
 
 
 def _is_prompt(prompt: Any) -> bool:

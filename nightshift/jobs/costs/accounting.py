@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from nightshift.jobs.batches.openai_mapping import EMBEDDINGS
 from nightshift.settings import Settings
 
 PER_MILLION = 1_000_000.0
@@ -88,7 +89,14 @@ def online_cost_usd(prompt_tokens: int, cached_prompt_tokens: int, completion_to
             + completion_tokens * prices.online_output_usd_per_1m) / PER_MILLION
 
 
-def prices_from_settings(settings: Settings) -> Prices:
+def prices_from_settings(settings: Settings, endpoint: Optional[str] = None) -> Prices:
+    """The prices of a batch's endpoint: embeddings are compared with the online embedding price
+    (input tokens only), the other endpoints with the chat list prices."""
+    if endpoint == EMBEDDINGS:
+        return Prices(instance_usd_per_hour=dict(settings.instance_usd_per_hour),
+                      online_input_usd_per_1m=settings.online_embedding_usd_per_1m,
+                      online_cached_input_usd_per_1m=settings.online_embedding_usd_per_1m,
+                      online_output_usd_per_1m=0.0)
     return Prices(instance_usd_per_hour=dict(settings.instance_usd_per_hour),
                   online_input_usd_per_1m=settings.online_input_usd_per_1m,
                   online_cached_input_usd_per_1m=settings.online_cached_input_usd_per_1m,

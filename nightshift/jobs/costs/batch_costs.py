@@ -59,7 +59,7 @@ def cost_object_key(batch_id: str, name: str) -> str:
 
 def live_cost_report(session: Session, batch: Batch, settings: Settings, now: Optional[float] = None) -> dict:
     usages = load_usages(session, batch.id)
-    report = build_cost_report(usages, prices_from_settings(settings), batch_id=batch.id,
+    report = build_cost_report(usages, prices_from_settings(settings, batch.endpoint), batch_id=batch.id,
                                model=batch.model, status=batch.status, generated_at=now)
     json_id, csv_id = cost_file_ids(batch.id)
     stored = session.get(File, json_id) is not None
@@ -71,7 +71,7 @@ def write_cost_files(session: Session, store: ObjectStore, batch: Batch, *, sett
                      now: float) -> dict:
     """Write cost.json and cost.csv for a batch and register them as files (idempotent).
     Returns the report (with its file ids)."""
-    prices = prices_from_settings(settings)
+    prices = prices_from_settings(settings, batch.endpoint)
     usages = load_usages(session, batch.id)
     json_id, csv_id = cost_file_ids(batch.id)
     report = build_cost_report(usages, prices, batch_id=batch.id, model=batch.model,

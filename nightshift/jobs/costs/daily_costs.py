@@ -23,11 +23,12 @@ def _day_expr(session: Session):
 
 def costs_by_day(session: Session, project_id: str, *, start: float, end: float, settings: Settings) -> dict:
     """Cost of the project's answered requests that finished in [start, end), per UTC day
-    (never-run lines of cancelled/expired batches consumed nothing and are left out)."""
-    prices = prices_from_settings(settings)
+    (never-run lines of cancelled/expired batches consumed nothing and are left out). The
+    online list price of each endpoint's tokens is its own (prices_from_settings)."""
+    prices = {}
     day = _day_expr(session).label("day")
     rows = session.execute(
-        select(day, Request.device, func.count().label("requests"),
+        select(day, Request.device, Batch.endpoint, func.count().label("requests"),
                func.coalesce(func.sum(Request.prompt_tokens), 0).label("prompt_tokens"),
                func.coalesce(func.sum(Request.cached_tokens), 0).label("cached_tokens"),
                func.coalesce(func.sum(Request.completion_tokens), 0).label("completion_tokens"),
@@ -35,7 +36,7 @@ def costs_by_day(session: Session, project_id: str, *, start: float, end: float,
         .join(Batch, Batch.id == Request.batch_id)
         .where(Batch.project_id == project_id, Request.response_status_code.is_not(None),
                Request.finished_at >= start, Request.finished_at < end)
-        .group_by(day, Request.device).order_by(day)).all()
+        .group_by(day, Request.device, Batch.endpoint).order_by(day)).all()
     days: dict[int, dict] = {}
     batches_per_day = dict(session.execute(
         select(day, func.count(func.distinct(Request.batch_id)))
@@ -48,21 +49,25 @@ def costs_by_day(session: Session, project_id: str, *, start: float, end: float,
             "date": datetime.fromtimestamp(int(r.day) * DAY, timezone.utc).date().isoformat(),
             "project_id": project_id, "batches": batches_per_day.get(r.day, 0), "requests": 0,
             "prompt_tokens": 0, "cached_prompt_tokens": 0, "completion_tokens": 0,
-            "engine_seconds": [], "cost_usd": []})
+            "engine_seconds": [], "cost_usd": [], "online_list_usd": []})
+        if r.endpoint not in prices:
+            prices[r.endpoint] = prices_from_settings(settings, r.endpoint)
+        row_prices = prices[r.endpoint]
         entry["requests"] += r.requests
         entry["prompt_tokens"] += int(r.prompt_tokens)
         entry["cached_prompt_tokens"] += int(r.cached_tokens)
         entry["completion_tokens"] += int(r.completion_tokens)
         entry["engine_seconds"].append(float(r.engine_seconds))
-        price = prices.hourly_price(r.device)
+        price = row_prices.hourly_price(r.device)
         if r.engine_seconds and price is not None:
             entry["cost_usd"].append(float(r.engine_seconds) * price / 3600.0)
+        entry["online_list_usd"].append(online_cost_usd(int(r.prompt_tokens), int(r.cached_tokens),
+                                                        int(r.completion_tokens), row_prices))
     data = []
     for entry in days.values():
         entry["engine_seconds"] = math.fsum(entry["engine_seconds"])
         entry["cost_usd"] = math.fsum(entry["cost_usd"])
-        entry["online_list_usd"] = online_cost_usd(entry["prompt_tokens"], entry["cached_prompt_tokens"],
-                                                   entry["completion_tokens"], prices)
+        entry["online_list_usd"] = math.fsum(entry["online_list_usd"])
         entry["savings_vs_online_list_usd"] = entry["online_list_usd"] - entry["cost_usd"]
         data.append(entry)
     totals = {key: sum(d[key] for d in data) for key in

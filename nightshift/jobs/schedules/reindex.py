@@ -110,14 +110,18 @@ def output_document(*, document_key: str, sha256: str, run_id: str, batch_id: st
 
 
 def build_manifest(*, schedule_id: str, index_prefix: str, updated_at: int,
-                   last_run: dict, documents: Mapping[str, dict]) -> bytes:
-    """The manifest: per document {sha256, output_key, indexed_at, run_id, batch_id}."""
-    return orjson.dumps({
+                   last_run: dict, documents: Mapping[str, dict], index_file: Optional[str] = None) -> bytes:
+    """The manifest: per document {sha256, output_key, indexed_at, run_id, batch_id}; for an
+    embeddings schedule also ``index_file``, the newest vector index."""
+    manifest = {
         "object": "index.manifest",
         "schedule_id": schedule_id,
         "index_prefix": normalize_prefix(index_prefix),
         "updated_at": updated_at,
         "last_run": last_run,
         "document_count": len(documents),
-        "documents": {k: documents[k] for k in sorted(documents)},
-    }, option=orjson.OPT_INDENT_2)
+    }
+    if index_file is not None:
+        manifest["index_file"] = index_file
+    manifest["documents"] = {k: documents[k] for k in sorted(documents)}
+    return orjson.dumps(manifest, option=orjson.OPT_INDENT_2)

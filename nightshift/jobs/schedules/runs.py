@@ -1,6 +1,7 @@
 """A schedule run's life after it fired: start (select changed documents, write the batch
 input file, create the batch) and publish (write one output per document under the index
-prefix, record what was indexed, write the manifest).
+prefix, record what was indexed, for an embeddings schedule write the run's vector index file
+(embedding_index.py), write the manifest).
 
 Both steps lock the run row and check its status first, so a duplicated Celery message or
 a second caller does nothing: the batch is created in the same transaction that moves the
@@ -19,6 +20,8 @@ from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestS
 from nightshift.jobs.batches.service import create_batch
 from nightshift.jobs.errors import InvalidInput
 from nightshift.jobs.files.uploads import create_file
+from nightshift.jobs.schedules.embedding_index import (EMBEDDINGS, index_entry, index_file_key,
+                                                       previous_index_file, read_index, vectors_of, write_index)
 from nightshift.jobs.schedules.models import IndexedDocument, RunStatus, Schedule, ScheduleRun
 from nightshift.jobs.schedules.reindex import build_manifest, manifest_key, output_document, output_key
 from nightshift.jobs.schedules.run_inputs import RunInputError, collect_input
@@ -99,6 +102,8 @@ def _publish(session: Session, store: ObjectStore, schedule: Schedule, run: Sche
              batch: Optional[Batch], now: float) -> None:
     indexed_at = int(now)
     indexed = failed = 0
+    embeddings = schedule.endpoint == EMBEDDINGS
+    fresh: dict[str, dict] = {}          # embeddings: this run's index entries
     if batch is not None:
         selection = run.selection or {}
         answered = session.execute(
@@ -109,6 +114,10 @@ def _publish(session: Session, store: ObjectStore, schedule: Schedule, run: Sche
                 failed += 1   # not recorded as indexed: the next run sends it again
                 continue
             key = output_key(schedule.index_prefix, custom_id)
+            if embeddings:
+                vectors = vectors_of(body)
+                if vectors:
+                    fresh[custom_id] = index_entry(custom_id, selection[custom_id], vectors)
             store.put_stream(key, output_document(
                 document_key=custom_id, sha256=selection[custom_id], run_id=run.id,
                 batch_id=batch.id, indexed_at=indexed_at, response_body=body))
@@ -133,13 +142,18 @@ def _publish(session: Session, store: ObjectStore, schedule: Schedule, run: Sche
         d.doc_key: {"sha256": d.sha256, "output_key": d.output_key, "indexed_at": int(d.indexed_at),
                     "run_id": d.run_id, "batch_id": d.batch_id}
         for d in session.scalars(select(IndexedDocument).where(IndexedDocument.schedule_id == schedule.id))}
+    index_file = None
+    if embeddings:
+        index_file = index_file_key(schedule.index_prefix, run.id)
+        previous = read_index(store, previous_index_file(store, manifest_key(schedule.index_prefix)))
+        write_index(store, index_file, documents, fresh, previous)
     store.put_stream(manifest_key(schedule.index_prefix), build_manifest(
         schedule_id=schedule.id, index_prefix=schedule.index_prefix, updated_at=indexed_at,
         last_run={"id": run.id, "due_at": int(run.due_at), "batch_id": run.batch_id,
                   "status": run.status, "documents_total": run.documents_total,
                   "documents_selected": run.documents_selected, "documents_indexed": indexed,
                   "documents_failed": failed, "documents_removed": run.documents_removed},
-        documents=documents))
+        documents=documents, index_file=index_file))
 
 
 def publish_batch_results(session: Session, store: ObjectStore, batch_id: str, *,
