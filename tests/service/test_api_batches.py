@@ -37,7 +37,7 @@ def test_create_and_retrieve(api_service):  # noqa: F811
 
 
 @pytest.mark.parametrize("kwargs, param, code", [
-    ({"endpoint": "/v1/embeddings"}, "endpoint", "invalid_value"),
+    ({"endpoint": "/v1/responses"}, "endpoint", "invalid_value"),
     ({"completion_window": "48h"}, "completion_window", "invalid_value"),
     ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", "invalid_value"),
     ({"metadata": {"tags": 3}}, "metadata.tags", "invalid_value"),

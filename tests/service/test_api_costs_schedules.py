@@ -77,7 +77,7 @@ def test_schedule_crud_pause_resume_runs_and_tenancy(api_service):  # noqa: F811
 @pytest.mark.parametrize("overrides, param", [
     ({"cron": "0 2 * *"}, "cron"),
     ({"timezone": "Mars/Base"}, "timezone"),
-    ({"endpoint": "/v1/embeddings"}, "endpoint"),
+    ({"endpoint": "/v1/responses"}, "endpoint"),
     ({"model": "gpt-9"}, "model"),
     ({"prompt_template": None}, "prompt_template"),
     ({"prompt_template": {"prompt": "{{ document"}}, "prompt_template"),
