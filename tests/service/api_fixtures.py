@@ -3,6 +3,8 @@
 exactly as in production. Test modules import the fixtures they use from here."""
 from __future__ import annotations
 
+import contextlib
+
 import socket
 import subprocess
 import sys
@@ -133,3 +135,27 @@ def api_service(pg_url, s3_server, tmp_path_factory):
 def project_client(service, name: Optional[str] = None):  # noqa: ANN001, ANN201
     """An openai client holding a new key of a new project."""
     return openai_client(service.base_url, make_key(service.db_url, name or f"proj-{uuid.uuid4().hex[:8]}"))
+
+
+@contextlib.contextmanager
+def production_pipeline(pg_url: str, s3_server: str, tmp_path: Path, redis_db: int, project_prefix: str):
+    """The production shape for end-to-end tests: the HTTP API, a cpu worker with beat and a gpu
+    worker on Redis database ``redis_db`` (emptied before and after), Postgres and a new moto
+    bucket; yields (service, an openai client holding the bootstrap key)."""
+    import redis
+
+    broker = f"redis://127.0.0.1:6379/{redis_db}"
+    redis.Redis.from_url(broker).flushdb()
+    key = "ns-e2e-" + uuid.uuid4().hex
+    env = service_env(tmp_path, database_url=pg_url, broker_url=broker, bootstrap_key=key,
+                      bootstrap_project=f"{project_prefix}-{uuid.uuid4().hex[:8]}", reconcile_interval_seconds=2,
+                      **s3_env(s3_server, new_bucket(s3_server)))
+    service = Service(env, tmp_path)
+    try:
+        base_url = service.start_api(free_port())
+        service.start_worker("cpu,upkeep", beat=True)
+        service.start_worker("gpu")
+        yield service, openai_client(base_url, key, timeout=60)
+    finally:
+        service.stop()
+        redis.Redis.from_url(broker).flushdb()

@@ -6,13 +6,11 @@ from __future__ import annotations
 import base64
 import json
 import time
-import uuid
 
 import numpy as np
 import pytest
-import redis
 
-from .api_fixtures import Service, free_port, new_bucket, openai_client, s3_env, service_env
+from .api_fixtures import production_pipeline
 
 REDIS_DB = 11   # apart from the other service tests' Redis databases
 TEXTS = ["Nightshift embeds batches overnight.", "Москва — столица России. 東京都の天気は晴れです 🎉",
@@ -21,21 +19,8 @@ TEXTS = ["Nightshift embeds batches overnight.", "Москва — столиц�
 
 @pytest.fixture
 def pipeline(pg_url, s3_server, tmp_path):
-    broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
-    redis.Redis.from_url(broker).flushdb()
-    key = "ns-e2e-" + uuid.uuid4().hex
-    env = service_env(tmp_path, database_url=pg_url, broker_url=broker, bootstrap_key=key,
-                      bootstrap_project=f"e2e-emb-{uuid.uuid4().hex[:8]}", reconcile_interval_seconds=2,
-                      **s3_env(s3_server, new_bucket(s3_server)))
-    service = Service(env, tmp_path)
-    try:
-        base_url = service.start_api(free_port())
-        service.start_worker("cpu,upkeep", beat=True)
-        service.start_worker("gpu")
-        yield service, openai_client(base_url, key, timeout=60)
-    finally:
-        service.stop()
-        redis.Redis.from_url(broker).flushdb()
+    with production_pipeline(pg_url, s3_server, tmp_path, REDIS_DB, "e2e-emb") as running:
+        yield running
 
 
 def embedding_line(custom_id: str, **body) -> dict:

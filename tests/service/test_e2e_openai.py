@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
 import pytest
-import redis
 
-from .api_fixtures import Service, free_port, new_bucket, openai_client, s3_env, service_env
+from .api_fixtures import production_pipeline
 
 REDIS_DB = 12   # apart from the other service tests' Redis database
 SYSTEM = ("You are a terse assistant for the Nightshift batch test suite. Answer in one short sentence, "
@@ -32,21 +30,8 @@ def batch_lines(n_ok: int) -> list[dict]:
 
 @pytest.fixture
 def pipeline(pg_url, s3_server, tmp_path):
-    broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
-    redis.Redis.from_url(broker).flushdb()
-    key = "ns-e2e-" + uuid.uuid4().hex
-    env = service_env(tmp_path, database_url=pg_url, broker_url=broker, bootstrap_key=key,
-                      bootstrap_project=f"e2e-{uuid.uuid4().hex[:8]}", reconcile_interval_seconds=2,
-                      **s3_env(s3_server, new_bucket(s3_server)))
-    service = Service(env, tmp_path)
-    try:
-        base_url = service.start_api(free_port())
-        service.start_worker("cpu,upkeep", beat=True)
-        service.start_worker("gpu")
-        yield service, openai_client(base_url, key, timeout=60)
-    finally:
-        service.stop()
-        redis.Redis.from_url(broker).flushdb()
+    with production_pipeline(pg_url, s3_server, tmp_path, REDIS_DB, "e2e") as running:
+        yield running
 
 
 @pytest.mark.slow
