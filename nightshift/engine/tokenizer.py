@@ -12,6 +12,7 @@ the loader writes it when it converts the GGUF), so `load_tokenizer("default")` 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -52,6 +53,10 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs)))
 
 
+_BYTE_OF_CHAR = {char: byte for byte, char in _bytes_to_unicode().items()}
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")    # SentencePiece byte fallback
+
+
 class Tokenizer:
     """encode/decode and the model's chat template. `eos_token_ids`: ids that end a generation."""
 
@@ -76,6 +81,32 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes (OpenAI's logprobs ``bytes``). Decoding a token that holds part
+        of a multi-byte character on its own gives U+FFFD; its bytes keep the part, so the bytes
+        of consecutive tokens join into the text. Added (special) tokens are their text."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if self._byte_level:
+            if all(char in _BYTE_OF_CHAR for char in piece):
+                return bytes(_BYTE_OF_CHAR[char] for char in piece)
+            return piece.encode()
+        byte = _BYTE_TOKEN.fullmatch(piece)
+        return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode()
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """GPT-2-style byte-level BPE (each byte spelled as one printable character), as opposed
+        to SentencePiece's "\u2581" for spaces and <0xNN> byte tokens."""
+        return type(self.backend.decoder).__name__ == "ByteLevel"
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs) -> str:
         """The chat as text, by the model's own template."""

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
+from sqlalchemy import Row
 
 from nightshift.engine.embeddings import EmbeddingEngine, EmbeddingOutput, EmbeddingRequest
 from nightshift.engine.types import RequestFeed
 from nightshift.jobs.batches import embeddings
 from nightshift.jobs.batches.leases import RequestResult
-from nightshift.jobs.batches.models import Request, RequestStatus
+from nightshift.jobs.batches.models import RequestStatus
 from nightshift.jobs.batches.openai_mapping import EMBEDDINGS, RequestBodyError, error_body
 from nightshift.settings import Settings
 from nightshift.workers.shard_stream import ShardStream, StreamRun
@@ -80,14 +81,14 @@ class EmbeddingGenerator:
 class EmbeddingShardStream(ShardStream):
     endpoints = (EMBEDDINGS,)
 
-    def _engine_request(self, row: Request, endpoint: str) -> EmbeddingRequest:
+    def _engine_request(self, row: Row, endpoint: str) -> EmbeddingRequest:
         try:
             inputs = embeddings.inputs(row.body)
         except embeddings.EmbeddingBodyError as e:   # validated at ingest: only a row edited since
             raise RequestBodyError(e.message, e.param.removeprefix("body."), e.code) from e
         return EmbeddingRequest(str(row.id), inputs, embeddings.dimensions(row.body))
 
-    def _result_of(self, row: Request, out: EmbeddedOutput, endpoint: str) -> RequestResult:
+    def _result_of(self, row: Row, out: EmbeddedOutput, endpoint: str) -> RequestResult:
         output = out.output
         if output.error is not None:
             err = output.error

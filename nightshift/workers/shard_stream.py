@@ -29,12 +29,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from sqlalchemy import Row
+
 from nightshift.engine import GenerationOutput, GenerationRequest, SamplingParams
 from nightshift.jobs.batches.leases import (Lease, LeaseLost, RequestResult, claim_next_shard, claim_shard,
                                             complete_shard, pending_requests, release_shard, renew_lease,
                                             write_results)
 from nightshift.jobs.batches.lifecycle import start_finalize_if_done
-from nightshift.jobs.batches.models import Batch, Request, RequestStatus
+from nightshift.jobs.batches.models import Batch, RequestStatus
 from nightshift.jobs.batches.openai_mapping import (CHAT, COMPLETIONS, RequestBodyError, error_body, response_body,
                                                     sampling_kwargs)
 from nightshift.jobs.ids import response_request_id
@@ -60,7 +62,7 @@ class HeldShard:
     """A shard this worker holds the lease of, and what is left of it."""
     lease: Lease
     endpoint: str
-    rows: dict[str, Request]                  # by engine request id
+    rows: dict[str, Row]                      # pending_requests rows, by engine request id
     requests: list[GenerationRequest]
     results: list[RequestResult]              # finished, not yet written
     outstanding: int                          # results not yet written
@@ -76,6 +78,7 @@ class StreamTimings:
     heartbeats: float = 0.0
     complete: float = 0.0
     generate: float = 0.0
+    database_cpu: float = 0.0         # CPU time of the database thread (it shares the GIL with the engine's)
     shards: int = 0
     requests: int = 0
 
@@ -213,18 +216,25 @@ class ShardStream:
         self.timings.load += time.perf_counter() - started
         return shard
 
-    def _engine_request(self, row: Request, endpoint: str) -> GenerationRequest:
+    def _engine_request(self, row: Row, endpoint: str) -> GenerationRequest:
         """The engine request of a pending row (its id: str(row.id)); RequestBodyError if the
         body cannot run."""
         kwargs = sampling_kwargs(row.body, endpoint, len(row.prompt_token_ids), self.engine.max_model_len,
                                  self.settings.default_chat_max_tokens, self.settings.default_completion_max_tokens)
         return GenerationRequest(str(row.id), list(row.prompt_token_ids), SamplingParams(**kwargs))
 
-    def _result_of(self, row: Request, out, endpoint: str) -> RequestResult:  # noqa: ANN001
+    def _result_of(self, row: Row, out, endpoint: str) -> RequestResult:  # noqa: ANN001
         return _result(row, out, endpoint, self.engine.model_name, self.engine.tokenizer)
 
     # ---- the database thread -----------------------------------------------------------
     def _database_loop(self) -> None:
+        cpu_started = time.thread_time()
+        try:
+            self._database_steps()
+        finally:
+            self.timings.database_cpu = time.thread_time() - cpu_started
+
+    def _database_steps(self) -> None:
         settings = self.settings
         next_flush = time.monotonic() + settings.result_flush_seconds
         next_beat = time.monotonic() + settings.heartbeat_seconds
@@ -400,8 +410,8 @@ class ShardStream:
     def _log_timings(self, shard_id: int) -> None:
         t = self.timings
         log.info("timing stream=%s shards=%d requests=%d claim=%.4f load=%.4f generate=%.4f writes=%.4f flushes=%d "
-                 "complete=%.4f heartbeats=%.4f", shard_id, t.shards, t.requests, t.claim, t.load, t.generate,
-                 t.writes, t.flushes, t.complete, t.heartbeats)
+                 "complete=%.4f heartbeats=%.4f database_cpu=%.4f", shard_id, t.shards, t.requests, t.claim, t.load,
+                 t.generate, t.writes, t.flushes, t.complete, t.heartbeats, t.database_cpu)
 
 
 def _count_claim(lease: Lease, kind: str) -> None:
@@ -424,16 +434,18 @@ def _count_results(results: list[RequestResult]) -> None:
             m.tokens.labels(kind).inc(n)
 
 
-def token_texts(tokenizer, token_ids: list[int]) -> Optional[list[str]]:  # noqa: ANN001
-    """The text of each generated token (for logprobs), each decoded on its own with special
-    tokens kept; None without a tokenizer. A token that is part of a multi-byte character
-    decodes to U+FFFD, as in OpenAI's ``token`` field."""
+def token_pieces(tokenizer, token_ids: list[int]) -> tuple[Optional[list[str]], Optional[list[bytes]]]:  # noqa: ANN001
+    """The text and the bytes of each generated token (for logprobs), each decoded on its own
+    with special tokens kept; (None, None) without a tokenizer. A token that is part of a
+    multi-byte character decodes to U+FFFD, as in OpenAI's ``token`` field, and keeps its own
+    bytes in ``bytes``."""
     if tokenizer is None:
-        return None
-    return [tokenizer.decode([token_id], skip_special_tokens=False) for token_id in token_ids]
+        return None, None
+    return ([tokenizer.decode([token_id], skip_special_tokens=False) for token_id in token_ids],
+            [tokenizer.token_bytes(token_id) for token_id in token_ids])
 
 
-def _result(row: Request, out: GenerationOutput, endpoint: str, model_name: str,
+def _result(row: Row, out: GenerationOutput, endpoint: str, model_name: str,
             tokenizer=None) -> RequestResult:  # noqa: ANN001
     if out.finish_reason == "error" or out.error is not None:
         err = out.error
@@ -443,7 +455,8 @@ def _result(row: Request, out: GenerationOutput, endpoint: str, model_name: str,
                              prompt_tokens=0, finished_at=out.finish_time)
     body = response_body(endpoint, response_request_id(row.id), int(out.finish_time), model_name, out.text,
                          out.finish_reason, out.prompt_tokens, out.cached_prompt_tokens, out.completion_tokens,
-                         out.logprobs, token_texts(tokenizer, out.token_ids) if out.logprobs is not None else None)
+                         out.logprobs, *(token_pieces(tokenizer, out.token_ids) if out.logprobs is not None
+                                         else (None, None)))
     return RequestResult(row.id, RequestStatus.COMPLETED, response_status_code=200, response_body=body,
                          finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
                          cached_tokens=out.cached_prompt_tokens, completion_tokens=out.completion_tokens,

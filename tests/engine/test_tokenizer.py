@@ -86,3 +86,35 @@ def test_hf_directory_tokenizer_matches(hf_tokenizer, tmp_path):
     for messages in CHATS:
         assert ours.apply_chat_template(messages) == hf_chat_ids(hf_tokenizer, messages, True)
     assert ours.eos_token_ids == [2]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_into_the_text(ours, text):
+    """Each token's own bytes (logprobs' ``bytes``): pieces of a multi-byte character, which decode
+    alone to U+FFFD, keep their bytes, so the tokens' bytes join into the text."""
+    ids = ours.encode(text, add_special_tokens=False)
+    assert b"".join(ours.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_bytes_of_a_split_character_and_a_special_token(ours):
+    ids = ours.encode("日", add_special_tokens=False)
+    assert len(ids) > 1 and "\ufffd" in ours.decode(ids[:1], skip_special_tokens=False)
+    assert ours.token_bytes(ids[0]) == "日".encode()[:len(ours.token_bytes(ids[0]))]
+    im_end = ours.backend.token_to_id("<|im_end|>")
+    assert ours.token_bytes(im_end) == b"<|im_end|>"
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary():
+    """A SentencePiece-style vocabulary ("\u2581" for a space, <0xNN> byte-fallback tokens), as
+    Llama-2 / Mistral tokenizer.json files have."""
+    from tokenizers import Tokenizer as Backend, decoders, models
+
+    vocab = {"<unk>": 0, "<s>": 1, "<0xE6>": 2, "<0x97>": 3, "<0xA5>": 4, "\u2581hi": 5, "\u2581": 6, "h": 7, "i": 8,
+             "hi": 9}
+    backend = Backend(models.BPE(vocab=vocab, merges=[("h", "i"), ("\u2581", "hi")], unk_token="<unk>",
+                                 byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens(["<s>"])
+    sp = Tokenizer(backend, None, {"bos_token": "<s>"}, [])
+    assert [sp.token_bytes(i) for i in (5, 2, 3, 4, 1)] == [b" hi", b"\xe6", b"\x97", b"\xa5", b"<s>"]
+    assert b"".join(sp.token_bytes(i) for i in (5, 6, 2, 3, 4)).decode() == " hi 日"

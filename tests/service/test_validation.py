@@ -256,6 +256,9 @@ def test_logprobs_bodies_carry_token_texts_or_nulls_consistently():
     content = chat["choices"][0]["logprobs"]["content"]
     assert content == [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []},
                        {"token": "!", "logprob": -0.25, "bytes": [33], "top_logprobs": []}]
+    split = response_body(CHAT, "x", 1, "m", "日", "stop", 3, 0, 2, logprobs=[-0.5, -0.25], tokens=["\ufffd", "\ufffd"],
+                          token_bytes=[b"\xe6\x97", b"\xa5"])          # a character split over two tokens
+    assert [c["bytes"] for c in split["choices"][0]["logprobs"]["content"]] == [[0xE6, 0x97], [0xA5]]
     unknown = response_body(CHAT, "x", 1, "m", "Hi!", "stop", 3, 0, 2, logprobs=[-0.5, -0.25])
     assert [(c["token"], c["bytes"]) for c in unknown["choices"][0]["logprobs"]["content"]] == [(None, None)] * 2
     comp = response_body("/v1/completions", "y", 1, "m", "Hi!", "length", 3, 0, 2, logprobs=[-0.5, -0.25],

@@ -14,9 +14,10 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Optional, Sequence
 
-from sqlalchemy import and_, bindparam, exists, func, or_, select, true, update
+from sqlalchemy import Row, and_, bindparam, exists, func, or_, select, true, update
 from sqlalchemy.orm import Session
 
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus, Shard, ShardStatus
@@ -55,22 +56,49 @@ class RequestResult:
     finished_at: Optional[float] = None
 
 
+# The statements a shard stream runs many times a second are built once, as Core statements
+# with bind parameters: no per-call expression building, no ORM bulk-update evaluation, and
+# their compiled forms are cached. (None of them needs the ORM objects of a session updated.)
+_shards, _batches, _requests = Shard.__table__, Batch.__table__, Request.__table__
+_CLAIM = (_shards.update()
+          .where(_shards.c.id == bindparam("s_id"),
+                 exists().where(_batches.c.id == _shards.c.batch_id, _batches.c.status == BatchStatus.IN_PROGRESS),
+                 or_(_shards.c.status == ShardStatus.PENDING,
+                     and_(_shards.c.status == ShardStatus.RUNNING, _shards.c.lease_expires_at < bindparam("s_now"))))
+          .values(status=ShardStatus.RUNNING, lease_owner=bindparam("s_owner"), lease_token=bindparam("s_token"),
+                  lease_expires_at=bindparam("s_expires"), heartbeat_at=bindparam("s_now"),
+                  attempt=_shards.c.attempt + 1, started_at=func.coalesce(_shards.c.started_at, bindparam("s_now")),
+                  worker=bindparam("s_owner"), device=bindparam("s_device"))
+          .returning(_shards.c.batch_id, _shards.c.attempt))
+_RENEW = (_shards.update()
+          .where(_shards.c.id == bindparam("s_id"), _shards.c.lease_token == bindparam("s_token"),
+                 _shards.c.status == ShardStatus.RUNNING)
+          .values(heartbeat_at=bindparam("s_now"), lease_expires_at=bindparam("s_expires")))
+_PENDING_IDS = (select(_requests.c.id)
+                .where(_requests.c.id.in_(bindparam("r_ids", expanding=True)),
+                       _requests.c.shard_id == bindparam("s_id"), _requests.c.status == RequestStatus.PENDING))
+_ADD_COUNTS = (_shards.update().where(_shards.c.id == bindparam("s_id"))
+               .values({_shards.c[name]: _shards.c[name] + bindparam(f"s_{name}")
+                        for name in ("completed_count", "failed_count", "prompt_tokens", "prefix_hit_tokens",
+                                     "completion_tokens", "engine_seconds")}))
+_PENDING_ROWS = (select(_requests.c.id, _requests.c.line, _requests.c.custom_id, _requests.c.body,
+                        _requests.c.prompt_token_ids)
+                 .where(_requests.c.shard_id == bindparam("s_id"), _requests.c.status == RequestStatus.PENDING)
+                 .order_by(_requests.c.id))
+_COMPLETE = (_shards.update()
+             .where(_shards.c.id == bindparam("s_id"), _shards.c.lease_token == bindparam("s_token"),
+                    _shards.c.status == ShardStatus.RUNNING,
+                    ~exists().where(_requests.c.shard_id == _shards.c.id, _requests.c.status == RequestStatus.PENDING))
+             .values(status=ShardStatus.DONE, finished_at=bindparam("s_now"), lease_expires_at=None))
+
+
 def claim_shard(s: Session, shard_id: int, owner: str, lease_seconds: float, *, device: Optional[str] = None,
                 now: Optional[float] = None) -> Optional[Lease]:
     """Lease a pending shard (or one whose lease expired) of an in-progress batch; None if not claimable."""
     now = time.time() if now is None else now
     token = secrets.token_hex(16)
-    batch_running = exists().where(Batch.id == Shard.batch_id, Batch.status == BatchStatus.IN_PROGRESS)
-    row = s.execute(
-        update(Shard)
-        .where(Shard.id == shard_id, batch_running,
-               or_(Shard.status == ShardStatus.PENDING,
-                   and_(Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < now)))
-        .values(status=ShardStatus.RUNNING, lease_owner=owner, lease_token=token,
-                lease_expires_at=now + lease_seconds, heartbeat_at=now, attempt=Shard.attempt + 1,
-                started_at=func.coalesce(Shard.started_at, now), worker=owner, device=device)
-        .returning(Shard.batch_id, Shard.attempt)
-    ).first()
+    row = s.execute(_CLAIM, {"s_id": shard_id, "s_now": now, "s_owner": owner, "s_token": token,
+                             "s_expires": now + lease_seconds, "s_device": device}).first()
     if row is None:
         return None
     return Lease(shard_id, row.batch_id, token, owner, row.attempt, now)
@@ -84,9 +112,8 @@ def shard_endpoint(s: Session, shard_id: int) -> Optional[str]:
 def renew_lease(s: Session, lease: Lease, lease_seconds: float, now: Optional[float] = None) -> None:
     """Extend the lease (the heartbeat); raises LeaseLost if it is no longer held."""
     now = time.time() if now is None else now
-    res = s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.lease_token == lease.token,
-                                        Shard.status == ShardStatus.RUNNING)
-                    .values(heartbeat_at=now, lease_expires_at=now + lease_seconds))
+    res = s.execute(_RENEW, {"s_id": lease.shard_id, "s_token": lease.token, "s_now": now,
+                             "s_expires": now + lease_seconds})
     if res.rowcount != 1:
         raise LeaseLost(f"shard {lease.shard_id}: lease {lease.token[:8]} is no longer held")
 
@@ -100,25 +127,30 @@ def claim_next_shard(s: Session, owner: str, lease_seconds: float, *, waiting_si
     endpoints (those the caller's engine runs). Postgres skips shards another claimer has
     locked; SQLite's writers take turns anyway."""
     now = time.time() if now is None else now
-    candidate = (select(Shard.id).join(Batch, Batch.id == Shard.batch_id)
-                 .where(Shard.status == ShardStatus.PENDING, Batch.status == BatchStatus.IN_PROGRESS,
-                        func.coalesce(Shard.enqueued_at, 0) < waiting_since,
-                        Batch.endpoint.in_(endpoints) if endpoints is not None else true())
-                 .order_by(Batch.created_at, Shard.batch_id, Shard.seq).limit(1)
-                 .with_for_update(of=Shard, skip_locked=True))
-    shard_id = s.scalar(candidate)
+    shard_id = s.scalar(_next_pending_shard(tuple(endpoints) if endpoints is not None else None),
+                        {"s_waiting_since": waiting_since})
     return None if shard_id is None else claim_shard(s, shard_id, owner, lease_seconds, device=device, now=now)
+
+
+@lru_cache(maxsize=8)
+def _next_pending_shard(endpoints: Optional[tuple[str, ...]]):  # noqa: ANN202 - a Select
+    return (select(_shards.c.id).join(_batches, _batches.c.id == _shards.c.batch_id)
+            .where(_shards.c.status == ShardStatus.PENDING, _batches.c.status == BatchStatus.IN_PROGRESS,
+                   func.coalesce(_shards.c.enqueued_at, 0) < bindparam("s_waiting_since"),
+                   _batches.c.endpoint.in_(endpoints) if endpoints is not None else true())
+            .order_by(_batches.c.created_at, _shards.c.batch_id, _shards.c.seq).limit(1)
+            .with_for_update(of=_shards, skip_locked=True))
 
 
 _RESULT_COLUMNS = ("status", "response_status_code", "response_body", "error_code", "error_message", "finish_reason",
                    "prompt_tokens", "cached_tokens", "completion_tokens", "engine_seconds", "first_token_at")
-_table = Request.__table__
-_WRITE_RESULT = (_table.update()
-                 .where(_table.c.id == bindparam("r_id"), _table.c.status == RequestStatus.PENDING)
-                 .values({**{_table.c[name]: bindparam(f"r_{name}") for name in _RESULT_COLUMNS},
-                          _table.c.finished_at: bindparam("r_finished_at"), _table.c.worker: bindparam("r_worker"),
-                          _table.c.device: bindparam("r_device"), _table.c.attempt: bindparam("r_attempt"),
-                          _table.c.started_at: bindparam("r_started_at")}))
+_WRITE_RESULT = (_requests.update()
+                 .where(_requests.c.id == bindparam("r_id"), _requests.c.status == RequestStatus.PENDING)
+                 .values({**{_requests.c[name]: bindparam(f"r_{name}") for name in _RESULT_COLUMNS},
+                          _requests.c.finished_at: bindparam("r_finished_at"),
+                          _requests.c.worker: bindparam("r_worker"), _requests.c.device: bindparam("r_device"),
+                          _requests.c.attempt: bindparam("r_attempt"),
+                          _requests.c.started_at: bindparam("r_started_at")}))
 
 
 def write_results(s: Session, lease: Lease, results: list[RequestResult], lease_seconds: float, *,
@@ -135,36 +167,32 @@ def write_results(s: Session, lease: Lease, results: list[RequestResult], lease_
     now = time.time()
     renew_lease(s, lease, lease_seconds, now)
     by_id = {r.request_id: r for r in results}
-    pending = set(s.scalars(select(Request.id).where(Request.id.in_(list(by_id)), Request.shard_id == lease.shard_id,
-                                                     Request.status == RequestStatus.PENDING)))
+    pending = set(s.scalars(_PENDING_IDS, {"r_ids": list(by_id), "s_id": lease.shard_id}))
     moving = [r for request_id, r in by_id.items() if request_id in pending]
     if not moving:
         return 0
     s.execute(_WRITE_RESULT, [{"r_id": r.request_id, **{f"r_{name}": getattr(r, name) for name in _RESULT_COLUMNS},
                                "r_finished_at": r.finished_at or now, "r_worker": lease.owner, "r_device": device,
                                "r_attempt": lease.attempt, "r_started_at": lease.started_at} for r in moving])
-    s.execute(update(Shard).where(Shard.id == lease.shard_id).values(
-        completed_count=Shard.completed_count + sum(r.status == RequestStatus.COMPLETED for r in moving),
-        failed_count=Shard.failed_count + sum(r.status == RequestStatus.FAILED for r in moving),
-        prompt_tokens=Shard.prompt_tokens + sum(r.prompt_tokens for r in moving),
-        prefix_hit_tokens=Shard.prefix_hit_tokens + sum(r.cached_tokens for r in moving),
-        completion_tokens=Shard.completion_tokens + sum(r.completion_tokens for r in moving),
-        engine_seconds=Shard.engine_seconds + sum(r.engine_seconds for r in moving)))
+    s.execute(_ADD_COUNTS, {"s_id": lease.shard_id,
+                            "s_completed_count": sum(r.status == RequestStatus.COMPLETED for r in moving),
+                            "s_failed_count": sum(r.status == RequestStatus.FAILED for r in moving),
+                            "s_prompt_tokens": sum(r.prompt_tokens for r in moving),
+                            "s_prefix_hit_tokens": sum(r.cached_tokens for r in moving),
+                            "s_completion_tokens": sum(r.completion_tokens for r in moving),
+                            "s_engine_seconds": sum(r.engine_seconds for r in moving)})
     return len(moving)
 
 
-def pending_requests(s: Session, lease: Lease) -> list[Request]:
-    """The shard's requests still to run, in prefix order (ingest inserted them in that order)."""
-    return list(s.scalars(select(Request).where(Request.shard_id == lease.shard_id,
-                                                Request.status == RequestStatus.PENDING).order_by(Request.id)))
+def pending_requests(s: Session, lease: Lease) -> list[Row]:
+    """The shard's requests still to run (id, line, custom_id, body, prompt_token_ids), in prefix
+    order (ingest inserted them in that order)."""
+    return list(s.execute(_PENDING_ROWS, {"s_id": lease.shard_id}))
 
 
 def complete_shard(s: Session, lease: Lease) -> bool:
     """Mark the shard done if the lease still holds and none of its requests is pending."""
-    none_pending = ~exists().where(Request.shard_id == Shard.id, Request.status == RequestStatus.PENDING)
-    res = s.execute(update(Shard).where(Shard.id == lease.shard_id, Shard.lease_token == lease.token,
-                                        Shard.status == ShardStatus.RUNNING, none_pending)
-                    .values(status=ShardStatus.DONE, finished_at=time.time(), lease_expires_at=None))
+    res = s.execute(_COMPLETE, {"s_id": lease.shard_id, "s_token": lease.token, "s_now": time.time()})
     return res.rowcount == 1
 
 

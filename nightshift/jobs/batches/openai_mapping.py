@@ -225,12 +225,14 @@ def usage_body(prompt_tokens: int, cached_tokens: int, completion_tokens: int) -
 
 def response_body(endpoint: str, response_id: str, created: int, model: str, text: str, finish_reason: str,
                   prompt_tokens: int, cached_tokens: int, completion_tokens: int,
-                  logprobs: Optional[list[float]] = None, tokens: Optional[list[str]] = None) -> dict[str, Any]:
+                  logprobs: Optional[list[float]] = None, tokens: Optional[list[str]] = None,
+                  token_bytes: Optional[list[bytes]] = None) -> dict[str, Any]:
     """The body of a successful response, shaped like OpenAI's chat.completion / text_completion.
 
     ``logprobs``: the logprob of each generated token (when the body asked for them);
     ``tokens``: the text of each generated token, where the caller has it (the token fields
-    are null otherwise). There are no alternatives: ``top_logprobs`` is empty (chat) or null."""
+    are null otherwise); ``token_bytes``: each token's own bytes (chat's ``bytes``; without them,
+    the UTF-8 of its text). There are no alternatives: ``top_logprobs`` is empty (chat) or null."""
     usage = usage_body(prompt_tokens, cached_tokens, completion_tokens)
     finish_reason = finish_reason if finish_reason in ("stop", "length") else "stop"
     texts: list[Optional[str]] = list(tokens) if tokens is not None and logprobs is not None \
@@ -239,9 +241,12 @@ def response_body(endpoint: str, response_id: str, created: int, model: str, tex
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
                                   "logprobs": None, "finish_reason": finish_reason}
         if logprobs is not None:
+            raw: list[Optional[bytes]] = (
+                list(token_bytes) if token_bytes is not None and len(token_bytes) == len(logprobs)
+                else [None if t is None else t.encode("utf-8", "replace") for t in texts])
             choice["logprobs"] = {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "replace")) if t is not None else None,
-                 "top_logprobs": []} for t, lp in zip(texts, logprobs)], "refusal": None}
+                {"token": t, "logprob": lp, "bytes": list(b) if b is not None else None, "top_logprobs": []}
+                for t, lp, b in zip(texts, logprobs, raw)], "refusal": None}
         return {"id": f"chatcmpl-{response_id}", "object": "chat.completion", "created": created, "model": model,
                 "choices": [choice], "usage": usage, "system_fingerprint": None}
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
