@@ -237,10 +237,17 @@ class Chaos:
     def engine_kill(self, batch_id: str) -> tuple[list[Fault], int]:
         faults: list[Fault] = []
         for _ in range(self.rng.randint(1, 2)):
-            share = self.rng.uniform(0.1, 0.8)
+            if faults:   # a second kill, at a point the batch has not passed yet (if any is left)
+                st = self.state(batch_id)
+                answered = st.done / self.requests
+                if st.status != BatchStatus.IN_PROGRESS or answered >= 0.8:
+                    break
+                share = self.rng.uniform(answered, 0.8)
+            else:
+                share = self.rng.uniform(0.1, 0.8)
             victim = self.poll(lambda: self._engine_victim(batch_id, share), "an engine worker mid-shard")
-            if victim == "missed":
-                return faults, 1
+            if victim == "missed":   # only the first kill can miss: a second one is optional
+                return faults, 0 if faults else 1
             name, shard_id = victim
             self.c.kill(name)
             at = time.monotonic()
@@ -265,6 +272,9 @@ class Chaos:
             return "missed"
         running = [s for s in st.shards if s.status == ShardStatus.RUNNING and s.done < s.size]
         self.rng.shuffle(running)
+        # the most requests still to run first: a shard one answer from its end may be done by
+        # the time the kill lands (a fast engine writes it within milliseconds)
+        running.sort(key=lambda s: s.done - s.size)
         for shard in running:
             name = self.c.owner_of_lease(shard.owner)
             if name in self.c.engines:
@@ -314,10 +324,16 @@ class Chaos:
         self._progress(batch_id, fault, lambda st: False)
         return [fault], 0
 
-    def s3_pause_batch(self, batch_id: str) -> tuple[list[Fault], int]:
+    def _mid_batch(self, batch_id: str) -> Optional[BatchState]:
+        """The batch's state at a random point between 10% and 70% answered; None if it was
+        past in_progress by then (the fault is missed)."""
         share = self.rng.uniform(0.1, 0.7)
         st = self.poll(lambda: self._answered_past(batch_id, share), "a point mid-batch")
-        if st.status != BatchStatus.IN_PROGRESS:
+        return st if st.status == BatchStatus.IN_PROGRESS else None
+
+    def s3_pause_batch(self, batch_id: str) -> tuple[list[Fault], int]:
+        st = self._mid_batch(batch_id)
+        if st is None:
             return [], 1
         hold = self.rng.uniform(*self.timings.batch_pause)
         self.c.s3.pause()
@@ -332,9 +348,8 @@ class Chaos:
         return [fault], 0
 
     def redis_restart(self, batch_id: str) -> tuple[list[Fault], int]:
-        share = self.rng.uniform(0.1, 0.7)
-        st = self.poll(lambda: self._answered_past(batch_id, share), "a point mid-batch")
-        if st.status != BatchStatus.IN_PROGRESS:
+        st = self._mid_batch(batch_id)
+        if st is None:
             return [], 1
         pending = sum(s.status == ShardStatus.PENDING for s in st.shards)
         self.c.redis.restart(self.rng.uniform(*self.timings.redis_down))

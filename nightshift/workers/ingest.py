@@ -28,6 +28,7 @@ from nightshift.jobs.batches.ingest import (IngestSource, fail_ingest, ingest_fa
                                             tokenize_lines, validate_input)
 from nightshift.jobs.batches.lifecycle import batch_status
 from nightshift.jobs.batches.models import BatchStatus
+from nightshift.jobs.batches.openai_mapping import EMBEDDINGS
 from nightshift.settings import Settings
 from nightshift.storage.db import session_scope
 from nightshift.storage.objectstore import ObjectStore
@@ -87,7 +88,7 @@ def _ingest(batch_id: str, source: IngestSource, tokenizer, load_tokenizer,  # n
     lines = validate_input(store, source, settings)
     t_validate = time.perf_counter()
     if lines.ok:
-        if tokenizer is None:
+        if tokenizer is None and source.endpoint != EMBEDDINGS:   # the embedding worker tokenizes those
             tokenizer = load_tokenizer()
         token_ids = tokenize_lines(lines, source.endpoint, tokenizer, settings)
     else:
