@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 
@@ -196,6 +197,80 @@ def _big_file_to_in_progress(http: httpx.Client, lines: int) -> tuple[float, flo
     return uploaded, total, status, len(data)
 
 
+GET_BATCH_ROUTE = ("GET", "/v1/batches/{batch_id}")
+
+
+def server_buckets(base_url: str) -> dict[float, float]:
+    """Cumulative counts of GET /v1/batches/{batch_id} by bucket bound, from the API's own
+    latency histogram (``/metrics``, summed over its worker processes): the time inside the
+    server, without the client's or the network's."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(base_url.removesuffix("/v1") + "/metrics", timeout=60).raise_for_status().text
+    counts: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "nightshift_http_request_duration_seconds":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and (sample.labels["method"], sample.labels["route"]) == GET_BATCH_ROUTE:
+                bound = float(sample.labels["le"])
+                counts[bound] = counts.get(bound, 0.0) + sample.value
+    return counts
+
+
+def server_latency_line(before: dict[float, float], after: dict[float, float]) -> str:
+    """The server-side share within 50 ms and the bucket the p99 falls in, for the window."""
+    delta = {bound: after.get(bound, 0.0) - before.get(bound, 0.0) for bound in after}
+    total = delta.get(float("inf"), 0.0)
+    if not total:
+        return "server side (the API's /metrics): no GET batch requests timed"
+    p99 = min(bound for bound, n in delta.items() if n >= 0.99 * total)
+    within = delta.get(0.05, 0.0) / total * 100
+    return (f"server side (the API's /metrics histogram): {int(total)} GET batch, {within:.2f}% answered within "
+            f"50 ms, p99 <= {p99 * 1000:g} ms")
+
+
+ROLES = (("uvicorn", "API"), ("nightshift.api.cli serve", "API"), ("-Q gpu", "engine worker"),
+         ("celery", "cpu worker + beat"), ("postgres", "Postgres"), ("redis-server", "Redis"), ("moto", "S3 (moto)"))
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds (user + system) so far of every process on the machine, by role: the
+    service's processes (a process counts under its nearest ancestor whose command line names a
+    role), the load generator (this process and its client processes, once they have exited),
+    everything else."""
+    import psutil
+
+    me = os.getpid()
+    totals: dict[str, float] = {}
+    for proc in psutil.process_iter():
+        try:
+            times = proc.cpu_times()
+            chain = [proc, *proc.parents()]
+            role = None
+            for p in chain:
+                line = " ".join(p.cmdline())
+                role = next((name for key, name in ROLES if key in line), None)
+                if role or p.pid == me:
+                    break
+            if role is None and any(p.pid == me for p in chain):
+                continue   # the load generator's pool: counted below, from its reaped children
+            role = role or "other"
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        totals[role] = totals.get(role, 0.0) + times.user + times.system
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    totals["load generator"] = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+    return totals
+
+
+def cpu_line(before: dict[str, float], after: dict[str, float], seconds: float) -> str:
+    used = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
+    parts = ", ".join(f"{role} {n:.1f}" for role, n in sorted(used.items(), key=lambda kv: -kv[1]) if n >= 0.05)
+    return (f"CPU seconds in the window ({os.cpu_count()} cores x {seconds:.0f} s = {os.cpu_count() * seconds:.0f}): "
+            f"{parts}")
+
+
 def _ms(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -244,6 +319,7 @@ def run(args: argparse.Namespace) -> Samples:
                                            args.seconds, args.reader_kbps * 1000))
             print(f"{args.slow_readers} slow readers of a {len(big) / 1e6:.1f} MB file at {args.reader_kbps} kB/s each",
                   flush=True)
+        buckets_before, cpu_before = server_buckets(service.base_url), cpu_by_role()
         started = time.perf_counter()
         with concurrent.futures.ProcessPoolExecutor(processes) as pool:
             polls = [pool.submit(_poll_process, (service.base_url, service.api_key, batch_id, n, args.seconds,
@@ -256,6 +332,7 @@ def run(args: argparse.Namespace) -> Samples:
         if readers is not None:
             samples.merge(readers.result())
         elapsed = time.perf_counter() - started
+        cpu_after, buckets_after = cpu_by_role(), server_buckets(service.base_url)
         batch = http.get(f"/batches/{batch_id}").json()
         print(f"\n{args.clients} polling clients (interval {args.interval}s) for {args.seconds:.0f}s, "
               f"{args.uploads} concurrent uploads; batch {batch['status']}, "
@@ -265,6 +342,8 @@ def run(args: argparse.Namespace) -> Samples:
         get_batch = samples.latencies.get("GET /v1/batches/{id}", [])
         errors = sum(sum(b.values()) for b in samples.errors.values())
         print(f"target: 0 errors, p99 of GET batch < 50 ms -> errors {errors}, p99 {_ms(get_batch, .99):.1f} ms")
+        print(server_latency_line(buckets_before, buckets_after))
+        print(cpu_line(cpu_before, cpu_after, elapsed))
         if args.big_file_lines:
             uploaded, total, status, size = _big_file_to_in_progress(http, args.big_file_lines)
             print(f"{args.big_file_lines:,}-line file ({size / 1e6:.1f} MB): uploaded in {uploaded:.2f}s, batch {status} "

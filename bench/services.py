@@ -146,6 +146,9 @@ def running_service(shape: str, *, api_workers: int = 2, **settings: object) -> 
                                         object_store="s3", s3_bucket=bucket, s3_endpoint_url=endpoint,
                                         s3_access_key_id="bench", s3_secret_access_key="bench",
                                         s3_addressing_style="path", **settings)
+                # one metrics directory for the API's workers, so that /metrics adds them up
+                env["PROMETHEUS_MULTIPROC_DIR"] = str(work / "metrics")
+                (work / "metrics").mkdir()
                 subprocess.run([sys.executable, "-m", "nightshift.api.cli", "migrate"], env=env, cwd=procs.REPO, check=True,
                                capture_output=True)
                 started["api"] = _start("api", [sys.executable, "-m", "uvicorn", "nightshift.api.app:create_app", "--factory",

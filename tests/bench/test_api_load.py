@@ -18,6 +18,15 @@ def test_report_counts_503_apart_from_errors():
     assert table[1].endswith("     1 1 {'ReadTimeout': 1}")                 # one 503, one error
 
 
+def test_server_latency_line_reads_the_window_from_histogram_buckets():
+    inf = float("inf")
+    before = {0.01: 10.0, 0.05: 10.0, 0.1: 10.0, inf: 10.0}
+    after = {0.01: 900.0, 0.05: 1005.0, 0.1: 1010.0, inf: 1010.0}    # 1000 in the window, 5 over 50 ms
+    assert api_load.server_latency_line(before, after).endswith(
+        "1000 GET batch, 99.50% answered within 50 ms, p99 <= 50 ms")
+    assert "no GET batch" in api_load.server_latency_line(before, before)
+
+
 @pytest.mark.slow
 def test_small_run_against_embedded_service(capsys):
     samples = api_load.run(api_load.argparse.Namespace(
@@ -28,6 +37,9 @@ def test_small_run_against_embedded_service(capsys):
     assert samples.errors == {}
     assert len(samples.latencies["GET /v1/batches/{id}"]) > 10
     assert len(samples.latencies["POST /v1/files (10 lines)"]) == 2
+    # the server's own histogram timed exactly the polls the clients made in the window
+    assert f"(the API's /metrics histogram): {len(samples.latencies['GET /v1/batches/{id}'])} GET batch" in out
+    assert "CPU seconds in the window" in out and "API " in out
     slow = samples.latencies["GET /v1/files/{id}/content (slow)"]
     assert len(slow) == 2 and "2 slow readers of a 0.5 MB file" in out      # each still reading at the end
     assert "200-line file" in out and "batch in_progress" in out
