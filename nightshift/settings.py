@@ -119,6 +119,8 @@ class Settings(BaseSettings):
     db_pool_timeout_seconds: float = 10.0        # workers: a checkout waiting longer raises
     api_queue_seconds: float = 2.0
     api_retry_after_seconds: int = 1
+    # Uploads parsed and stored at once per API process; more wait, unread (see api/app.py UploadGate).
+    api_concurrent_uploads: int = Field(default=2, ge=1)
     # `nightshift serve` on SIGTERM/SIGINT: in-flight requests, then the workers' running tasks,
     # get this long before they are stopped (a shard stopped midway is re-run from its lease).
     shutdown_seconds: float = 3.0
