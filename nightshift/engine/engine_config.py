@@ -7,11 +7,12 @@ out, or passed as None, takes the default defined here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from nightshift.engine.config_options import config_from_options
 from nightshift.engine.cpu_features import cpu_has_native_bf16
 from nightshift.engine.kv_cache import kv_bytes_per_block
 from nightshift.engine.model_config import ModelConfig
@@ -43,11 +44,7 @@ class EngineConfig:
     @classmethod
     def of(cls, **options) -> "EngineConfig":
         """A config from keyword options where None means "the default" (unknown names: TypeError)."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(options) - known
-        if unknown:
-            raise TypeError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
-        return cls(**{name: value for name, value in options.items() if value is not None})
+        return config_from_options(cls, "engine", options)
 
     def kv_pool_blocks(self, model: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> int:
         """num_kv_blocks if set; else as many blocks as fit in the memory budget, but never more than

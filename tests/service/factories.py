@@ -71,3 +71,29 @@ def make_running_batch(db_url: str, store, n_requests: int, n_shards: int) -> tu
         batch.status, batch.in_progress_at, batch.request_total = BatchStatus.IN_PROGRESS, now, n_requests
         shard_ids = [sh.id for sh in shards]
     return bid, shard_ids
+
+
+def run_batch_in_process(db_url: str, store, settings, lines: list[dict], *, endpoint: str,  # noqa: ANN001
+                         run_one: Callable[[int], object], tokenizer=None,  # noqa: ANN001
+                         load_tokenizer: Callable[[], object] | None = None) -> tuple[str, list[int]]:
+    """A batch of ``lines`` ingested, then ``run_one(shard_id)`` (a shard stream) for each of its
+    shards; returns (batch id, shard ids). A stream takes further shards ahead, so a later
+    shard's own run may find it done; exactly one run moves the batch to finalizing."""
+    from nightshift.workers.ingest import ingest_batch
+
+    pid = make_project(db_url)
+    bid = make_batch(db_url, pid, make_input_file(db_url, store, pid, lines), endpoint=endpoint)
+    outcome = ingest_batch(bid, tokenizer, settings=settings, store=store, load_tokenizer=load_tokenizer)
+    assert outcome.status == "in_progress", outcome
+    runs = [run_one(sid) for sid in outcome.shard_ids]
+    assert runs[0].status == "done" and {r.status for r in runs} <= {"done", "skipped"}
+    assert sorted(sid for r in runs for sid in r.shards_done) == sorted(outcome.shard_ids)
+    assert [b for r in runs for b in r.finalize] == [bid]
+    return bid, outcome.shard_ids
+
+
+def read_result_lines(store, db_url: str, file_id: str) -> list[dict]:  # noqa: ANN001
+    """The JSON lines of a result file (output or errors)."""
+    with session_scope(db_url) as s:
+        key = s.get(File, file_id).object_key
+    return [orjson.loads(x) for x in b"".join(store.get_stream(key)).splitlines()]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 
 import numpy as np
-import orjson
 import pytest
 from sqlalchemy import select
 
@@ -15,11 +14,11 @@ from nightshift.jobs.batches.leases import claim_next_shard
 from nightshift.jobs.batches.models import Batch, Request, Shard
 from nightshift.jobs.batches.openai_mapping import CHAT, COMPLETIONS, EMBEDDINGS
 from nightshift.jobs.costs.batch_costs import live_cost_report
-from nightshift.jobs.files.models import File
 from nightshift.storage.db import session_scope
 from nightshift.workers.finalize import finalize_batch
 from nightshift.workers.ingest import ingest_batch
-from tests.service.factories import make_batch, make_input_file, make_project, make_running_batch
+from tests.service.factories import (make_batch, make_input_file, make_project, make_running_batch, read_result_lines,
+                                     run_batch_in_process)
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "東京都の天気は晴れです", "naïve café " * 200]
 
@@ -35,26 +34,17 @@ def line(custom_id: str, **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": EMBEDDINGS, "body": {"model": "default", **body}}
 
 
+def no_chat_tokenizer() -> None:
+    raise AssertionError("ingest loaded the chat model's tokenizer for an embeddings batch")
+
+
 def run_batch(db_url, store, settings, engine, lines):  # noqa: ANN001
     from nightshift.workers.embedding_stream import run_embedding_shard
 
-    pid = make_project(db_url)
-    bid = make_batch(db_url, pid, make_input_file(db_url, store, pid, lines), endpoint=EMBEDDINGS)
-    # embeddings lines are tokenized by the engine worker: ingest needs no chat tokenizer for them
-    outcome = ingest_batch(bid, settings=settings, store=store, load_tokenizer=lambda: None)
-    assert outcome.status == "in_progress", outcome
-    runs = [run_embedding_shard(sid, engine, settings=settings, owner="test-worker", device="cpu")
-            for sid in outcome.shard_ids]
-    assert runs[0].status == "done" and {r.status for r in runs} <= {"done", "skipped"}
-    assert sorted(sid for r in runs for sid in r.shards_done) == sorted(outcome.shard_ids)
-    assert [b for r in runs for b in r.finalize] == [bid]
-    return bid, outcome.shard_ids
-
-
-def read(store, db_url, file_id):  # noqa: ANN001
-    with session_scope(db_url) as s:
-        key = s.get(File, file_id).object_key
-    return [orjson.loads(x) for x in b"".join(store.get_stream(key)).splitlines()]
+    # embeddings lines are tokenized by the engine worker: ingest does not load the chat tokenizer
+    return run_batch_in_process(db_url, store, settings, lines, endpoint=EMBEDDINGS, load_tokenizer=no_chat_tokenizer,
+                                run_one=lambda sid: run_embedding_shard(sid, engine, settings=settings,
+                                                                        owner="test-worker", device="cpu"))
 
 
 def test_embeddings_batch_end_to_end_in_process(any_db, settings_env, tmp_path, engine):
@@ -80,8 +70,8 @@ def test_embeddings_batch_end_to_end_in_process(any_db, settings_env, tmp_path, 
         batch = s.get(Batch, bid)
         rows = {r.custom_id: r for r in s.scalars(select(Request).where(Request.batch_id == bid))}
         report = live_cost_report(s, batch, settings)
-    out = {o["custom_id"]: o["response"] for o in read(store, any_db, batch.output_file_id)}
-    errors = {e["custom_id"]: e["response"] for e in read(store, any_db, batch.error_file_id)}
+    out = {o["custom_id"]: o["response"] for o in read_result_lines(store, any_db, batch.output_file_id)}
+    errors = {e["custom_id"]: e["response"] for e in read_result_lines(store, any_db, batch.error_file_id)}
 
     def vectors(body):  # noqa: ANN001, ANN202
         assert body["object"] == "list" and body["model"] == "all-MiniLM-L6-v2"
@@ -124,7 +114,7 @@ def test_streams_take_ahead_only_shards_their_engine_runs(any_db, settings_env, 
     _, chat_shards = make_running_batch(any_db, store, n_requests=2, n_shards=1)
     pid = make_project(any_db)
     bid = make_batch(any_db, pid, make_input_file(any_db, store, pid, [line("a", input="hi")]), endpoint=EMBEDDINGS)
-    (embedding_shard,) = ingest_batch(bid, settings=settings, store=store, load_tokenizer=lambda: None).shard_ids
+    (embedding_shard,) = ingest_batch(bid, settings=settings, store=store, load_tokenizer=no_chat_tokenizer).shard_ids
     with session_scope(any_db) as s:   # a chat stream looking for work ahead skips the embeddings shard
         assert claim_next_shard(s, "chat-worker", 30, waiting_since=2e9, endpoints=(CHAT, COMPLETIONS)).shard_id \
             == chat_shards[0]

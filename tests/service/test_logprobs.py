@@ -11,8 +11,8 @@ from nightshift.storage.db import session_scope
 from nightshift.workers.finalize import finalize_batch
 from nightshift.workers.ingest import ingest_batch
 from nightshift.workers.shard_stream import run_shard
-from tests.service.factories import make_batch, make_input_file, make_project
-from tests.service.test_pipeline import CHAT, engine, line, read  # noqa: F401  (the session's engine)
+from tests.service.factories import make_batch, make_input_file, make_project, read_result_lines
+from tests.service.test_pipeline import CHAT, engine, line  # noqa: F401  (the session's engine)
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,8 @@ def outputs(db_url, store, settings, engine, lines, endpoint=CHAT):  # noqa: ANN
     assert finalize_batch(bid, settings=settings, store=store).status == "completed"
     with session_scope(db_url) as s:
         b = s.get(Batch, bid)
-        out = read(store, db_url, b.output_file_id)
-        errors = read(store, db_url, b.error_file_id) if b.error_file_id else []
+        out = read_result_lines(store, db_url, b.output_file_id)
+        errors = read_result_lines(store, db_url, b.error_file_id) if b.error_file_id else []
     return {o["custom_id"]: o["response"]["body"] for o in out + errors}
 
 
@@ -43,7 +43,9 @@ def test_chat_logprobs_carry_each_token_text(pg_db, settings_env, tmp_path, engi
     assert len(content) == bodies["c0"]["usage"]["completion_tokens"] == 4
     assert "".join(c["token"] for c in content) == chat["message"]["content"]
     for c in content:
-        assert c["logprob"] <= 0 and c["bytes"] == list(c["token"].encode()) and c["top_logprobs"] == []
+        assert c["logprob"] <= 0 and c["top_logprobs"] == []
+        assert "\ufffd" in c["token"] or c["bytes"] == list(c["token"].encode())
+    assert bytes(b for c in content for b in c["bytes"]).decode() == chat["message"]["content"]
     assert bodies["c1"]["choices"][0]["logprobs"] is None                     # not asked for
     assert bodies["c2"]["error"]["code"] == "unsupported_value" and bodies["c2"]["error"]["param"] == "top_logprobs"
 

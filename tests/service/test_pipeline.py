@@ -2,17 +2,16 @@
 failures isolated, usage and prefix-cache hits recorded, re-run shard skips done rows."""
 from __future__ import annotations
 
-import orjson
 import pytest
 from sqlalchemy import select
 
 from nightshift.jobs.batches.models import Batch, Request, Shard
 from nightshift.jobs.batches.progress import batch_progress
-from nightshift.jobs.files.models import File
 from nightshift.storage.db import session_scope
 from nightshift.workers.finalize import finalize_batch
 from nightshift.workers.ingest import ingest_batch
-from tests.service.factories import make_batch, make_input_file, make_project
+from tests.service.factories import (make_batch, make_input_file, make_project, read_result_lines,
+                                     run_batch_in_process)
 
 pytestmark = pytest.mark.slow
 CHAT = "/v1/chat/completions"
@@ -38,23 +37,9 @@ def run_batch(db_url, store, settings, engine, lines):  # noqa: ANN001
     from nightshift.workers.engine_host import engine_device
     from nightshift.workers.shard_stream import run_shard
 
-    pid = make_project(db_url)
-    bid = make_batch(db_url, pid, make_input_file(db_url, store, pid, lines))
-    outcome = ingest_batch(bid, engine.tokenizer, settings=settings, store=store)
-    assert outcome.status == "in_progress"
-    runs = [run_shard(sid, engine, settings=settings, owner="test-worker", device=engine_device(engine))
-            for sid in outcome.shard_ids]
-    # a run streams further shards through its engine, so a later shard's own run may find it done
-    assert runs[0].status == "done" and {r.status for r in runs} <= {"done", "skipped"}
-    assert sorted(sid for r in runs for sid in r.shards_done) == sorted(outcome.shard_ids)
-    assert [b for r in runs for b in r.finalize] == [bid]  # exactly one run moved the batch to finalizing
-    return bid, outcome.shard_ids
-
-
-def read(store, db_url, file_id):  # noqa: ANN001
-    with session_scope(db_url) as s:
-        key = s.get(File, file_id).object_key
-    return [orjson.loads(x) for x in b"".join(store.get_stream(key)).splitlines()]
+    return run_batch_in_process(db_url, store, settings, lines, endpoint=CHAT, tokenizer=engine.tokenizer,
+                                run_one=lambda sid: run_shard(sid, engine, settings=settings, owner="test-worker",
+                                                              device=engine_device(engine)))
 
 
 def test_batch_runs_end_to_end_with_isolated_failures(any_db, settings_env, tmp_path, engine):
@@ -73,7 +58,7 @@ def test_batch_runs_end_to_end_with_isolated_failures(any_db, settings_env, tmp_
         p = batch_progress(s, [b])[bid]
         rows = s.scalars(select(Request).where(Request.batch_id == bid).order_by(Request.line)).all()
         shards = s.scalars(select(Shard).where(Shard.batch_id == bid)).all()
-    out, errs = read(store, any_db, b.output_file_id), read(store, any_db, b.error_file_id)
+    out, errs = read_result_lines(store, any_db, b.output_file_id), read_result_lines(store, any_db, b.error_file_id)
     assert [o["custom_id"] for o in out] == ["c0", "c1", "c2", "c3"]
     for o in out:
         body = o["response"]["body"]

