@@ -38,7 +38,10 @@ async def _lifespan(app: FastAPI):  # noqa: ANN202
     # and stalls every request in the worker meanwhile (60-230 ms each, measured under load).
     gc.collect()
     gc.freeze()
-    yield
+    try:
+        yield
+    finally:
+        app.state.database.close()
 
 
 class UploadGate:

@@ -12,19 +12,29 @@ thread limiter, so they never wait for a pool connection (the pool has exactly t
 and no overflow). A request that cannot get a slot within ``api_queue_seconds`` is answered
 503 with ``Retry-After`` (the openai client retries it) instead of queueing without bound;
 the slots come back as soon as the burst ends.
+
+Round trips (Postgres): the API's pool has no pre-ping (a ``SELECT 1`` before every unit of
+work). A connection that a database restart closed fails its first statement instead; nothing
+was committed then, so the unit of work runs once more on a fresh connection (SQLAlchemy
+replaces every connection older than the failure). Read-only work runs in autocommit: no
+``BEGIN``/``ROLLBACK`` around it; each statement reads the latest committed data. A poll of a
+batch is three round trips: the key, the batch, its progress.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable, TypeVar
 
 import anyio
 import anyio.to_thread
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from nightshift.settings import Settings
-from nightshift.storage.db import read_only_session_scope, session_scope
+from nightshift.storage.db import READ_ONLY, make_engine
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Overloaded(Exception):
@@ -33,6 +43,10 @@ class Overloaded(Exception):
     def __init__(self, retry_after_seconds: int):
         super().__init__("The server is busy; retry after a short wait.")
         self.retry_after_seconds = retry_after_seconds
+
+
+class _ClosedConnection(Exception):
+    """The work's connection turned out closed before anything was committed."""
 
 
 class RequestDatabase:
@@ -45,6 +59,14 @@ class RequestDatabase:
         self.retry_after_seconds = settings.api_retry_after_seconds
         self._admission = anyio.Semaphore(self.slots)
         self._threads = anyio.CapacityLimiter(self.slots)
+        self.engine = make_engine(self.url, self.slots, settings.db_pool_timeout_seconds, pre_ping=False)
+        read_options = {READ_ONLY: True}
+        if self.engine.dialect.name == "postgresql":
+            read_options["isolation_level"] = "AUTOCOMMIT"
+        self._binds = {False: self.engine, True: self.engine.execution_options(**read_options)}
+
+    def close(self) -> None:
+        self.engine.dispose()
 
     async def run(self, work: Callable[[Session], T], *, read_only: bool = False) -> T:
         """``work(session)`` in a worker thread; the session commits if it returns, rolls back
@@ -63,9 +85,30 @@ class RequestDatabase:
             self._admission.release()
 
     def _in_session(self, work: Callable[[Session], T], read_only: bool) -> T:
-        scope = read_only_session_scope if read_only else session_scope
-        with scope(self.url) as session:
-            return work(session)
+        try:
+            return self._attempt(work, read_only, may_retry=True)
+        except _ClosedConnection as closed:
+            log.warning("a pooled database connection was closed (%s); running the work again on a new one",
+                        closed.__cause__.orig if isinstance(closed.__cause__, DBAPIError) else closed.__cause__)
+            return self._attempt(work, read_only, may_retry=False)
+
+    def _attempt(self, work: Callable[[Session], T], read_only: bool, may_retry: bool) -> T:
+        session = Session(bind=self._binds[read_only], expire_on_commit=False)
+        try:
+            try:
+                result = work(session)
+            except DBAPIError as exc:
+                if may_retry and exc.connection_invalidated:   # before the commit: nothing was written
+                    raise _ClosedConnection() from exc
+                raise
+            if not read_only:
+                session.commit()
+            return result
+        except BaseException:
+            session.rollback()
+            raise
+        finally:
+            session.close()
 
     @property
     def busy(self) -> int:

@@ -32,7 +32,11 @@ JSON_CODEC = {"json_serializer": lambda value: orjson.dumps(value, option=orjson
               "json_deserializer": orjson.loads}
 
 
-def make_engine(url: str, pool_size: int = 8, pool_timeout: float = 10.0) -> Engine:
+def make_engine(url: str, pool_size: int = 8, pool_timeout: float = 10.0, pre_ping: bool = True) -> Engine:
+    """An engine with a pool of ``pool_size`` connections and no overflow. ``pre_ping`` (Postgres):
+    each checkout first tests its connection with a round trip, so that one closed by a server
+    restart is replaced before use; the API turns it off and runs its work again instead when a
+    connection is found closed (api/database.py)."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
@@ -56,7 +60,7 @@ def make_engine(url: str, pool_size: int = 8, pool_timeout: float = 10.0) -> Eng
             conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=pool_size, max_overflow=0, pool_timeout=pool_timeout,
+    return create_engine(url, pool_pre_ping=pre_ping, pool_size=pool_size, max_overflow=0, pool_timeout=pool_timeout,
                          **JSON_CODEC)
 
 

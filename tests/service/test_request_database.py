@@ -7,7 +7,8 @@ import time
 
 import anyio
 import pytest
-from sqlalchemy import text
+from sqlalchemy import NullPool, create_engine, text
+from sqlalchemy.exc import ProgrammingError
 
 from nightshift.api.database import Overloaded, RequestDatabase
 
@@ -71,3 +72,80 @@ def test_failed_work_rolls_back_and_frees_its_slot(settings_env, sqlite_db):
 
     assert anyio.run(main) == 0
     assert database.busy == 0
+
+
+def _close_other_connections(url: str) -> int:
+    """What a database restart does to a pool: every other session of the database is ended."""
+    engine = create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return len(conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                         "WHERE datname = current_database() AND pid <> pg_backend_pid()")).all())
+    finally:
+        engine.dispose()
+
+
+def test_connections_closed_by_a_database_restart_cost_no_request(settings_env, pg_db):
+    database = RequestDatabase(settings_env(database_url=pg_db, db_pool_size=2))
+    count = "SELECT count(*) FROM projects"
+
+    def add(name):  # noqa: ANN001, ANN202
+        def write(session):  # noqa: ANN001, ANN202
+            session.execute(text("INSERT INTO projects (id, name, created_at) VALUES (:id, :id, 0)"), {"id": name})
+            return session.execute(text(count)).scalar()
+        return write
+
+    async def main():  # noqa: ANN202
+        try:
+            assert await database.run(add("proj_a")) == 1
+            both = [database.run(lambda s: s.execute(text(count)).scalar(), read_only=True) for _ in range(2)]
+            assert [await call for call in both] == [1, 1]
+            assert _close_other_connections(pg_db) >= 1     # the pool's connections among them
+            # the first statement on a closed connection fails before anything is written: the
+            # work runs again on a new connection, once, and the caller sees only the answer
+            assert await database.run(lambda s: s.execute(text(count)).scalar(), read_only=True) == 1
+            _close_other_connections(pg_db)
+            assert await database.run(add("proj_b")) == 2
+            return await database.run(lambda s: s.execute(text("SELECT id FROM projects ORDER BY id")).scalars().all(),
+                                      read_only=True)
+        finally:
+            database.close()
+
+    assert anyio.run(main) == ["proj_a", "proj_b"]                 # each write exactly once
+
+
+def test_other_database_errors_are_not_run_again(settings_env, pg_db):
+    database = RequestDatabase(settings_env(database_url=pg_db, db_pool_size=1))
+    calls = []
+
+    def bad(session):  # noqa: ANN001, ANN202
+        calls.append(1)
+        session.execute(text("SELECT * FROM no_such_table"))
+
+    async def main():  # noqa: ANN202
+        try:
+            with pytest.raises(ProgrammingError):
+                await database.run(bad, read_only=True)
+            with pytest.raises(ProgrammingError):
+                await database.run(bad)
+        finally:
+            database.close()
+
+    anyio.run(main)
+    assert len(calls) == 2
+
+
+def test_reads_run_without_a_transaction_on_postgres(settings_env, pg_db):
+    database = RequestDatabase(settings_env(database_url=pg_db, db_pool_size=1))
+
+    def autocommit(session):  # noqa: ANN001, ANN202
+        return session.connection().connection.driver_connection.autocommit
+
+    async def main():  # noqa: ANN202
+        try:
+            return await database.run(autocommit, read_only=True), await database.run(autocommit)
+        finally:
+            database.close()
+
+    # no BEGIN/ROLLBACK round trips around a poll; a write is still one transaction
+    assert anyio.run(main) == (True, False)

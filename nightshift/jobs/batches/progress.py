@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from nightshift.jobs.batches.models import Batch, BatchStatus, Shard
@@ -40,6 +40,14 @@ class BatchProgress:
                 "fraction": (done / self.total) if self.total else 0.0, "eta_seconds": self.eta_seconds}
 
 
+# Every batch poll runs this: built once, as a Core statement (no per-call expression building).
+_shards = Shard.__table__
+_SUMS = (select(_shards.c.batch_id, func.sum(_shards.c.completed_count), func.sum(_shards.c.failed_count),
+                func.sum(_shards.c.prompt_tokens), func.sum(_shards.c.prefix_hit_tokens),
+                func.sum(_shards.c.completion_tokens), func.sum(_shards.c.engine_seconds))
+         .where(_shards.c.batch_id.in_(bindparam("batch_ids", expanding=True))).group_by(_shards.c.batch_id))
+
+
 def batch_progress(s: Session, batches: list[Batch], now: Optional[float] = None) -> dict[str, BatchProgress]:
     """request_counts, usage and progress for several batches in one query (sums over shard rows)."""
     now = time.time() if now is None else now
@@ -48,10 +56,7 @@ def batch_progress(s: Session, batches: list[Batch], now: Optional[float] = None
            for b in batches}
     if not ids:
         return out
-    rows = s.execute(select(Shard.batch_id, func.sum(Shard.completed_count), func.sum(Shard.failed_count),
-                            func.sum(Shard.prompt_tokens), func.sum(Shard.prefix_hit_tokens),
-                            func.sum(Shard.completion_tokens), func.sum(Shard.engine_seconds))
-                     .where(Shard.batch_id.in_(ids)).group_by(Shard.batch_id)).all()
+    rows = s.execute(_SUMS, {"batch_ids": ids}).all()
     for batch_id, completed, failed, prompt, cached, completion, secs in rows:
         p = out[batch_id]
         p.completed, p.failed = int(completed or 0), int(failed or 0)

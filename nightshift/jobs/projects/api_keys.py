@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -75,10 +75,15 @@ def ensure_key(session: Session, project_name: str, key: str) -> ApiKey:
         return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
 
 
+# Every API request runs this: built once, as a Core statement (no per-call expression building).
+_keys = ApiKey.__table__
+_PROJECT_OF_KEY = select(_keys.c.project_id).where(_keys.c.key_hash == bindparam("key_hash"),
+                                                   _keys.c.revoked_at.is_(None))
+
+
 def project_for_key(session: Session, key: str) -> Optional[str]:
     """The project id the key belongs to, or None for an unknown or revoked key."""
-    return session.scalar(select(ApiKey.project_id).where(ApiKey.key_hash == hash_key(key),
-                                                          ApiKey.revoked_at.is_(None)))
+    return session.scalar(_PROJECT_OF_KEY, {"key_hash": hash_key(key)})
 
 
 @dataclass(frozen=True)
