@@ -12,10 +12,11 @@ Prints texts/s and tokens/s (tokens after truncation, special tokens included) p
 ratio ours / best sentence-transformers, and the cosine of our vectors to theirs (min, mean).
 --attention picks the encoder's attention layout (engine/embeddings/varlen.py), to compare them.
 
-Measured on the 2-core dev box (AMD EPYC Zen 3, AVX2; the README has the figures): 1.24x at the
-defaults (89 vs 72 texts/s), 1.18-1.42x across quiet runs, 1.8-1.9x while other jobs load the
-machine. One-thread profile of our run: the GEMMs are 76% of it at ~81 GFLOP/s, attention 11%,
-GELU 5%; sentence-transformers runs the same GEMMs through the same MKL.
+The first line names the GEMM the engine chose at load (bert.py: MKL's `F.linear` or oneDNN on
+packed weights, whichever it measured faster). Measured on 2-core AMD EPYC machines (the README has
+the figures): AVX-512 Zen 5, oneDNN chosen: 2.32-2.37x (1.31x with NIGHTSHIFT_CPU_GEMM=0, MKL as
+sentence-transformers uses); AVX2 Zen 3, MKL chosen: 1.24x at the defaults, 1.18-1.42x across
+quiet runs (the GEMMs there are 76% of our time at ~81 GFLOP/s a core, near the AVX2 peak).
 """
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace, log=print) -> EmbeddingBenchReport:
     log(f"{_cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
         f"model {engine.model_name}; {len(texts)} texts, {tokens} tokens (mean {tokens / len(texts):.0f}, "
         f"max_seq_length {engine.max_seq_length}); our step budget {engine.config.max_batch_tokens} tokens, "
-        f"attention {args.attention}")
+        f"attention {args.attention}, GEMMs {engine.encoder.gemm}")
 
     model = SentenceTransformer(str(engine.files.path), device="cpu")
     ours_name = "nightshift EmbeddingEngine"

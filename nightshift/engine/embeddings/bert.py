@@ -5,11 +5,13 @@ the last layer's token states `[T, H]`; only attention looks at sequence boundar
 fused q/k/v projection -> attention -> output projection + residual -> LayerNorm -> up
 projection with the activation -> down projection + residual -> LayerNorm (post-norm, as BERT).
 
-Projections are plain `F.linear` (MKL's sgemm on CPU). Measured on the dev box (AMD EPYC, AVX2,
-one thread, 300 texts of bench/embedding_texts.py, best of 5 alternated runs): F.linear 6.43 s,
-oneDNN packed weights (engine/layers/cpu_gemm.py, which pays off for the chat engine's few-row
-decode steps) 6.85 s, and with GELU and the residual add fused into the oneDNN call 7.53 s: at
-a step's thousands of rows the GEMMs are compute-bound and MKL's kernel is the faster one.
+Projections are `F.linear` (MKL's sgemm on CPU) or oneDNN on weights packed once at load
+(engine/layers/cpu_gemm.py), whichever `cpu_gemm.packed_is_faster` measures faster on the machine
+for the model's shapes (`load_encoder`; `BertEncoder.gemm` says which). At a step's thousands of
+rows the GEMMs are compute-bound and the answer depends on the CPU. On the dev box's AVX2 Zen 3
+(one thread, 300 texts of bench/embedding_texts.py, best of 5 alternated runs): F.linear 6.43 s,
+oneDNN packed 6.85 s, and with GELU and the residual add fused into the oneDNN call 7.53 s. On an
+AVX-512 Zen 5, where MKL keeps to its AVX2 kernels on AMD, oneDNN's GEMMs run 2x as fast.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nightshift.engine.embeddings.varlen import VarlenBatch, grouped_attention
+from nightshift.engine.layers import cpu_gemm
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -42,6 +45,12 @@ class EncoderConfig:
     max_position_embeddings: int
     type_vocab_size: int
     position_offset: int             # first position id: 0 (BERT), padding_idx + 1 (RoBERTa, XLM-R)
+
+    @property
+    def projection_shapes(self) -> tuple[tuple[int, int], ...]:
+        """`[out, in]` of each layer's projections: q|k|v, attention output, up, down."""
+        h, i = self.hidden_size, self.intermediate_size
+        return (3 * h, h), (h, h), (i, h), (h, i)
 
     @property
     def max_positions(self) -> int:
@@ -82,13 +91,18 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor):
+    """`x @ W.T + b`; with `packed`, the weight is kept only in oneDNN's packed layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, packed: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False)
+        if packed:
+            self.register_buffer("weight", cpu_gemm.pack(weight), persistent=False)
+        else:
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.bias)
 
 
 class LayerNorm(nn.Module):
@@ -131,6 +145,7 @@ class BertEncoder(nn.Module):
         self.norm = norm
         self.layers = nn.ModuleList(layers)
         self.attention: Attention = grouped_attention
+        self.gemm = "onednn-packed" if layers and layers[0].qkv.weight.is_mkldnn else "F.linear"
 
     @property
     def device(self) -> torch.device:
@@ -151,9 +166,14 @@ class BertEncoder(nn.Module):
 
 
 def build_encoder(config: EncoderConfig, tensor: Callable[[str], Optional[torch.Tensor]],
-                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> BertEncoder:
+                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                  pack_weights: bool = False) -> BertEncoder:
     """The encoder from checkpoint tensors by Hugging Face name (no "bert."/"roberta." prefix:
-    the caller strips it). q, k and v are stacked into one projection."""
+    the caller strips it). q, k and v are stacked into one projection. `pack_weights`: the
+    projections run on oneDNN with packed weights (float32 on CPU only)."""
+    if pack_weights and not (dtype == torch.float32 and torch.device(device).type == "cpu" and cpu_gemm.available()):
+        raise ValueError("packed weights need float32 on CPU and oneDNN")
+
     def get(name: str) -> torch.Tensor:
         value = tensor(name)
         if value is None:
@@ -163,7 +183,7 @@ def build_encoder(config: EncoderConfig, tensor: Callable[[str], Optional[torch.
     def linear(*names: str) -> Linear:
         weight = torch.cat([get(f"{n}.weight") for n in names]) if len(names) > 1 else get(f"{names[0]}.weight")
         bias = torch.cat([get(f"{n}.bias") for n in names]) if len(names) > 1 else get(f"{names[0]}.bias")
-        return Linear(weight.contiguous(), bias.contiguous())
+        return Linear(weight.contiguous(), bias.contiguous(), pack_weights)
 
     def norm(name: str) -> LayerNorm:
         return LayerNorm(get(f"{name}.weight"), get(f"{name}.bias"), config.layer_norm_eps)

@@ -6,6 +6,7 @@ as a BertForMaskedLM saves them); old BERT checkpoints call LayerNorm's paramete
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +14,9 @@ import torch
 from safetensors import safe_open
 
 from nightshift.engine.embeddings.bert import BertEncoder, EncoderConfig, build_encoder
+from nightshift.engine.layers import cpu_gemm
+
+log = logging.getLogger(__name__)
 
 _ANCHOR = "embeddings.word_embeddings.weight"
 
@@ -37,7 +41,16 @@ class SafetensorsWeights:
         return None
 
 
+GEMM_PROBE_ROWS = 512     # rows the GEMM choice is measured at (per row, as fast as a full step's)
+
+
 def load_encoder(config: dict, files: list[Path], dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu") -> BertEncoder:
-    encoder = build_encoder(EncoderConfig.from_dict(config), SafetensorsWeights(files).tensor, dtype, device)
+    """The encoder, its float32 projections on CPU run by whichever GEMM this machine runs faster
+    (bert.py; ``encoder.gemm`` says which)."""
+    encoder_config = EncoderConfig.from_dict(config)
+    pack = (dtype == torch.float32 and torch.device(device).type == "cpu"
+            and cpu_gemm.packed_is_faster(encoder_config.projection_shapes, GEMM_PROBE_ROWS))
+    encoder = build_encoder(encoder_config, SafetensorsWeights(files).tensor, dtype, device, pack_weights=pack)
+    log.info("embedding encoder GEMMs: %s", encoder.gemm)
     return encoder.eval()

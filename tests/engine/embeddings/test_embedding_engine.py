@@ -7,6 +7,9 @@ import pytest
 from bench.embedding_texts import embedding_texts
 from nightshift.engine.embeddings import EmbeddingEngine, EmbeddingRequest
 from nightshift.engine.embeddings.batching import plan_steps
+from nightshift.engine.embeddings.bert import EncoderConfig, build_encoder
+from nightshift.engine.embeddings.weights import GEMM_PROBE_ROWS, SafetensorsWeights, load_encoder
+from nightshift.engine.layers import cpu_gemm
 from nightshift.engine.types import InvalidRequestError
 
 # short, long (past the model's 256 tokens), unicode, code, whitespace-only: 64 in all
@@ -54,6 +57,37 @@ def test_cosine_against_sentence_transformers_on_64_texts(engine, reference):
     steps = after.num_steps - before.num_steps
     assert steps == len(plan_steps(lengths, 1024, engine.config.max_batch_seqs)) and steps < 20
     assert after.truncated_inputs - before.truncated_inputs == sum(1 for n in lengths if n == 256)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["F.linear", "onednn-packed"])
+def test_both_gemm_paths_match_sentence_transformers(engine, reference, pack):
+    # load_encoder picks one of the two by measuring this machine; both must give the same vectors
+    files = engine.files
+    encoder = build_encoder(EncoderConfig.from_dict(files.config), SafetensorsWeights(files.weight_files()).tensor,
+                            pack_weights=pack).eval()
+    assert encoder.gemm == ("onednn-packed" if pack else "F.linear")
+    ours = EmbeddingEngine(encoder, engine.tokenizer, files, engine.model_name).embed(TEXTS)
+    cosine = (ours * reference).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(reference, axis=1)
+    assert cosine.min() >= 0.9999
+    np.testing.assert_allclose(ours, engine.embed(TEXTS), atol=1e-5)
+
+
+def test_the_gemm_choice_measures_the_model_shapes_and_obeys_the_switch(engine, monkeypatch):
+    files = engine.files
+    assert EncoderConfig.from_dict(files.config).projection_shapes == ((1152, 384), (384, 384), (1536, 384),
+                                                                       (384, 1536))
+    assert engine.encoder.gemm == ("onednn-packed" if cpu_gemm.packed_is_faster(
+        EncoderConfig.from_dict(files.config).projection_shapes, GEMM_PROBE_ROWS) else "F.linear")
+    monkeypatch.setenv("NIGHTSHIFT_CPU_GEMM", "0")          # oneDNN off: never packed, whatever is faster
+    cpu_gemm.available.cache_clear()
+    cpu_gemm.packed_is_faster.cache_clear()
+    try:
+        assert cpu_gemm.packed_is_faster(((64, 64),), 8) is False
+        assert load_encoder(files.config, files.weight_files()).gemm == "F.linear"
+    finally:
+        monkeypatch.delenv("NIGHTSHIFT_CPU_GEMM")
+        cpu_gemm.available.cache_clear()
+        cpu_gemm.packed_is_faster.cache_clear()
 
 
 def test_a_vector_does_not_depend_on_its_batch(engine):
