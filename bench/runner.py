@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from nightshift.engine.attention import CpuKernelAttention
+from nightshift.engine.layers.cpu_gemm import best_seconds
 from nightshift.engine.loader import load_model
 from nightshift.engine.model_runner import ModelRunner
 from nightshift.engine.step import StepItem
@@ -37,19 +38,8 @@ def decode_items(batch: int, min_len: int, max_len: int, shared_blocks: int, blo
     return items, next_block
 
 
-def best_of(run, repeats: int) -> float:
-    """Fastest of `repeats` timed calls of run(), after one warm-up call."""
-    run()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def time_step(runner: ModelRunner, items, repeats: int) -> float:
-    return best_of(lambda: runner.execute(items), repeats)
+    return best_seconds(lambda: runner.execute(items), repeats)
 
 
 @torch.inference_mode()
@@ -65,7 +55,7 @@ def matmul_floor(model, rows: int, repeats: int, lm_head: bool = True) -> float:
             m(inputs[m.in_features])
         if lm_head:
             model.project_logits(hidden)
-    return best_of(step, repeats)
+    return best_seconds(step, repeats)
 
 
 def workload_matmul_seconds(model, logits_rows: int, other_rows: int, decode_rows: int, prefill_rows: int,

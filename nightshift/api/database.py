@@ -89,7 +89,7 @@ class RequestDatabase:
             return self._attempt(work, read_only, may_retry=True)
         except _ClosedConnection as closed:
             log.warning("a pooled database connection was closed (%s); running the work again on a new one",
-                        closed.__cause__.orig if isinstance(closed.__cause__, DBAPIError) else closed.__cause__)
+                        closed.__cause__.orig)
             return self._attempt(work, read_only, may_retry=False)
 
     def _attempt(self, work: Callable[[Session], T], read_only: bool, may_retry: bool) -> T:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nightshift.engine.embeddings.varlen import VarlenBatch, grouped_attention
-from nightshift.engine.layers import cpu_gemm
+from nightshift.engine.layers.linear import DenseLinear
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "camembert")
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
@@ -90,21 +90,6 @@ def activate(x: torch.Tensor, activation: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {activation!r}")
 
 
-class Linear(nn.Module):
-    """`x @ W.T + b`; with `packed`, the weight is kept only in oneDNN's packed layout."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, packed: bool = False):
-        super().__init__()
-        self.bias = nn.Parameter(bias, requires_grad=False)
-        if packed:
-            self.register_buffer("weight", cpu_gemm.pack(weight), persistent=False)
-        else:
-            self.weight = nn.Parameter(weight, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.bias)
-
-
 class LayerNorm(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, eps: float):
         super().__init__()
@@ -117,8 +102,8 @@ class LayerNorm(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, config: EncoderConfig, qkv: Linear, out: Linear, norm1: LayerNorm,
-                 up: Linear, down: Linear, norm2: LayerNorm):
+    def __init__(self, config: EncoderConfig, qkv: DenseLinear, out: DenseLinear, norm1: LayerNorm,
+                 up: DenseLinear, down: DenseLinear, norm2: LayerNorm):
         super().__init__()
         self.num_heads = config.num_heads
         self.activation = config.activation
@@ -145,7 +130,7 @@ class BertEncoder(nn.Module):
         self.norm = norm
         self.layers = nn.ModuleList(layers)
         self.attention: Attention = grouped_attention
-        self.gemm = "onednn-packed" if layers and layers[0].qkv.weight.is_mkldnn else "F.linear"
+        self.gemm = "onednn-packed" if layers and layers[0].qkv.packed is not None else "F.linear"
 
     @property
     def device(self) -> torch.device:
@@ -170,20 +155,18 @@ def build_encoder(config: EncoderConfig, tensor: Callable[[str], Optional[torch.
                   pack_weights: bool = False) -> BertEncoder:
     """The encoder from checkpoint tensors by Hugging Face name (no "bert."/"roberta." prefix:
     the caller strips it). q, k and v are stacked into one projection. `pack_weights`: the
-    projections run on oneDNN with packed weights (float32 on CPU only)."""
-    if pack_weights and not (dtype == torch.float32 and torch.device(device).type == "cpu" and cpu_gemm.available()):
-        raise ValueError("packed weights need float32 on CPU and oneDNN")
-
+    projections run on oneDNN with packed weights where that applies (float32 on CPU:
+    engine/layers/cpu_gemm.py; `BertEncoder.gemm` says what ran)."""
     def get(name: str) -> torch.Tensor:
         value = tensor(name)
         if value is None:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         return value.to(device=device, dtype=dtype)
 
-    def linear(*names: str) -> Linear:
+    def linear(*names: str) -> DenseLinear:
         weight = torch.cat([get(f"{n}.weight") for n in names]) if len(names) > 1 else get(f"{names[0]}.weight")
         bias = torch.cat([get(f"{n}.bias") for n in names]) if len(names) > 1 else get(f"{names[0]}.bias")
-        return Linear(weight.contiguous(), bias.contiguous(), pack_weights)
+        return DenseLinear(weight.contiguous(), bias.contiguous(), pack=pack_weights)
 
     def norm(name: str) -> LayerNorm:
         return LayerNorm(get(f"{name}.weight"), get(f"{name}.bias"), config.layer_norm_eps)

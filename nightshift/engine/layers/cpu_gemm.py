@@ -77,13 +77,14 @@ def packed_is_faster(shapes: tuple[tuple[int, int], ...], rows: int, repeats: in
         weight = torch.randn(out_features, in_features, generator=generator)
         bias = torch.randn(out_features, generator=generator)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        plain_total += _best_seconds(lambda: F.linear(x, weight, bias), repeats)
-        packed_total += _best_seconds(lambda: linear(x, packed, bias), repeats)
+        plain_total += best_seconds(lambda: F.linear(x, weight, bias), repeats)
+        packed_total += best_seconds(lambda: linear(x, packed, bias), repeats)
     return packed_total < plain_total
 
 
-def _best_seconds(call, repeats: int) -> float:  # noqa: ANN001
-    call()                                   # warm-up: first-call set-up is not timed
+def best_seconds(call, repeats: int) -> float:  # noqa: ANN001
+    """Fastest of ``repeats`` timed calls of ``call()``, after one untimed warm-up call."""
+    call()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()

@@ -66,13 +66,13 @@ class WeightSource:
 
 class DenseLinear(nn.Module):
     """`x @ W.T (+ b)` in the weight's dtype. A float32 weight on CPU is kept only in oneDNN's
-    packed layout (engine/layers/cpu_gemm.py), a non-persistent buffer; `weight` then unpacks a
-    copy on demand (for inspection, not the hot path)."""
+    packed layout (engine/layers/cpu_gemm.py), a non-persistent buffer, unless `pack` is False;
+    `weight` then unpacks a copy on demand (for inspection, not the hot path)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack: bool = True):
         super().__init__()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        packed = cpu_gemm.pack(weight)
+        packed = cpu_gemm.pack(weight) if pack else None
         self.register_buffer("packed", packed, persistent=False)
         self.dense = None if packed is not None else nn.Parameter(weight, requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
