@@ -17,6 +17,11 @@ scheduling or kernel change outside the GEMMs can remove; with the HF baseline, 
 On CUDA (--device, default auto) it also prints decode MBU and prefill MFU of the engine's runner
 (bench/roofline_bench.py; on CPU only with --peak-bandwidth/--peak-flops). --dummy-weights NAME
 runs random weights of a Llama shape (llama-1b, llama-8b) in both our engine and the HF baseline.
+
+--structured runs the same workload a second time in the same process with a JSON schema on
+every request (STRUCTURED_SCHEMA: an extraction object whose summary is long enough that every
+answer runs to the output length, so both runs make the same tokens) and prints the constrained
+run's output tok/s against the unconstrained one's: what grammar masks cost (engine/grammar.py).
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ from nightshift.engine.engine import Engine
 from nightshift.engine.engine_config import resolve_device
 from nightshift.engine.loader import load_checkpoint
 from nightshift.engine.tokenizer import load_tokenizer
-from nightshift.engine.types import GenerationRequest, SamplingParams
+from nightshift.engine.types import GenerationRequest, SamplingParams, StructuredOutput
 
 WORDS = ("river mountain quiet lantern copper orchard signal harbor violet meadow engine pocket "
          "thunder ladder marble garden crystal window shadow compass feather canvas silver rocket "
@@ -106,8 +111,26 @@ class EngineResult:
         return self.output_tokens / self.seconds
 
 
-def run_engine(engine, prompts: list[list[int]], output_len: int) -> EngineResult:
-    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+# The --structured run's schema: an extraction answer whose summary (at least 2,000 characters)
+# keeps every answer going past the benchmark's output length.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 80},
+        "language": {"enum": ["en", "de", "fr", "es", "other"]},
+        "sentiment": {"enum": ["positive", "neutral", "negative"]},
+        "topics": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 1, "maxItems": 5},
+        "year": {"type": ["integer", "null"], "minimum": 1900, "maximum": 2100},
+        "summary": {"type": "string", "minLength": 2000},
+    },
+    "required": ["title", "language", "sentiment", "topics", "year", "summary"],
+    "additionalProperties": False,
+}
+
+
+def run_engine(engine, prompts: list[list[int]], output_len: int,
+               structured: Optional[StructuredOutput] = None) -> EngineResult:
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True, structured=structured)
     requests = [GenerationRequest(f"req-{i}", p, params) for i, p in enumerate(prompts)]
     before = engine.stats()
     start = time.time()
@@ -123,6 +146,31 @@ def run_engine(engine, prompts: list[list[int]], output_len: int) -> EngineResul
     return EngineResult(seconds, sum(o.prompt_tokens for o in outputs), sum(o.completion_tokens for o in outputs),
                         sum(o.cached_prompt_tokens for o in outputs), ttft, tpot,
                         after.num_steps - before.num_steps, after.num_preemptions - before.num_preemptions)
+
+
+def structured_comparison(engine, prompts: list[list[int]], output_len: int, plain: EngineResult, repeats: int,
+                          log) -> tuple[EngineResult, EngineResult]:
+    """The workload with STRUCTURED_SCHEMA on every request against the unconstrained run, each
+    from an empty prefix cache, alternating `repeats` times (single runs on a 2-core machine vary
+    by several percent); the best run of each side is compared. Returns (constrained, plain) bests."""
+    structured = StructuredOutput("json_schema", STRUCTURED_SCHEMA, "bench")
+    run_engine(engine, prompts[:2], 2, structured)  # warm-up: the tokenizer view and the schema
+    plains, constrained = [plain], []
+    for round_ in range(repeats):
+        engine.reset_prefix_cache()
+        constrained.append(run_engine(engine, prompts, output_len, structured))
+        if round_ + 1 < repeats:
+            engine.reset_prefix_cache()
+            plains.append(run_engine(engine, prompts, output_len))
+    best, best_plain = max(constrained, key=lambda r: r.output_tps), max(plains, key=lambda r: r.output_tps)
+    log("\n== nightshift engine, a JSON schema on every request (grammar masks) ==")
+    log(f"time {best.seconds:.1f} s   steps {best.steps}   output tokens {best.output_tokens} "
+        f"(unconstrained {best_plain.output_tokens})")
+    log(f"output tok/s, runs alternating: unconstrained {', '.join(f'{r.output_tps:.1f}' for r in plains)}; "
+        f"constrained {', '.join(f'{r.output_tps:.1f}' for r in constrained)}")
+    log(f"output tok/s {best.output_tps:9.1f}   = {best.output_tps / best_plain.output_tps:.1%} of the "
+        f"unconstrained run's {best_plain.output_tps:.1f} (best of each)")
+    return best, best_plain
 
 
 def hf_model_from_cache(model: str, dtype: torch.dtype):
@@ -250,6 +298,7 @@ class BenchReport:
     prompt_lengths: list[int]
     output_len: int
     engine: EngineResult
+    structured: Optional[EngineResult] = None           # --structured
     roofline: Optional[Roofline] = None
     floor: Optional[MatmulFloor] = None
     hf: list[HFResult] = field(default_factory=list)     # empty with --skip-hf
@@ -306,6 +355,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-requests", type=int, default=None,
                         help="requests per HF batch size (default: one batch of that size; at least one)")
     parser.add_argument("--skip-hf", action="store_true", help="only our engine")
+    parser.add_argument("--structured", action="store_true",
+                        help="also run the workload with a JSON schema on every request and compare")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="--structured: runs of each side, alternating; the best of each is compared (default 2)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -344,6 +397,7 @@ def run(args: argparse.Namespace, log=print) -> BenchReport:
         f"{sum(lengths) / len(lengths):.0f}/{max(lengths)}, {output_len} output tokens each, EOS ignored")
 
     run_engine(engine, prompts[:2], 2)  # warm-up (first-call allocations); not counted
+    engine.reset_prefix_cache()         # every run starts from an empty prefix cache
     result = run_engine(engine, prompts, output_len)
     report = BenchReport(engine.model_name, engine.runner.num_kv_blocks, lengths, output_len, result)
     total_tps = (result.prompt_tokens + result.output_tokens) / result.seconds
@@ -354,6 +408,8 @@ def run(args: argparse.Namespace, log=print) -> BenchReport:
     log(f"TPOT {percentiles(result.tpot)}")
     log(f"prefix-hit rate {result.cached_tokens / result.prompt_tokens:.1%} "
         f"({result.cached_tokens} of {result.prompt_tokens} prompt tokens)")
+    if args.structured:
+        report.structured, _ = structured_comparison(engine, prompts, output_len, result, args.repeats, log)
     report.roofline = roofline(engine, args, round(sum(lengths) / len(lengths)), output_len, num_requests)
     if report.roofline is not None:
         r = report.roofline

@@ -73,6 +73,16 @@ class BlockManager:
     def blocks_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence holds (they become plain free blocks)."""
+        for block_id in self._free_cached:
+            block = self.blocks[block_id]
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.reset()
+            self._free_uncached.append(block_id)
+        self._free_cached.clear()
+
     # ---- hashing ---------------------------------------------------------------
     def block_hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
         """The chained hashes of seq's first `num_blocks` full blocks (memoised on seq)."""
@@ -182,6 +192,28 @@ class BlockManager:
                 # a twin computed by another sequence keeps the entry; this one stays private
                 self.hash_to_block.setdefault(block.hash, block.block_id)
         seq.num_registered_blocks = num_full
+
+    def fork_cost(self, parent: Sequence) -> int:
+        """Free blocks one fork of `parent` takes: a copy of its partial last block, if it has one."""
+        return 1 if parent.num_computed_tokens % self.block_size else 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> Optional[tuple[int, int]]:
+        """Give `child` (a fork holding no blocks) `parent`'s computed prefix: every full block
+        shared (one more reference each), the partial last block copied to a fresh one. Returns
+        the (source, destination) block ids whose K/V the caller must copy, or None. The caller
+        checks fork_cost against num_free_blocks first."""
+        assert not child.block_table, "fork target already holds blocks"
+        full = parent.num_computed_tokens // self.block_size
+        for block_id in parent.block_table[:full]:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table[:full])
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        if full == len(parent.block_table):
+            return None
+        block_id = self._take_free_block()
+        child.block_table.append(block_id)
+        return parent.block_table[full], block_id
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; blocks reaching zero stay cached if they carry a hash."""

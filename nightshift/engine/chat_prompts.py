@@ -9,8 +9,10 @@ Exact, not approximate: the fast path is used only when the template provably in
 ``content`` verbatim — every access to a ``content`` key or attribute in the template's
 syntax tree sits in an output expression, at most inside string concatenation (no filter,
 test, condition, call or assignment uses it) — and a probe render with awkward characters
-matches. Otherwise, or for a role
-sequence whose sentinels do not come out once each in order, the tokenizer renders the line.
+matches. Otherwise, for a role
+sequence whose sentinels do not come out once each in order, and for a chat with ``tools`` or a
+message with a field beside role and content (``tool_calls``, ``tool_call_id``, ``name``), the
+tokenizer renders the line.
 """
 from __future__ import annotations
 
@@ -82,10 +84,16 @@ class ChatPromptRenderer:
             self._pieces[roles] = pieces
         return self._pieces[roles]
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The same text as ``tokenizer.render_chat(messages, add_generation_prompt=True)``."""
+    def render(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None) -> str:
+        """The same text as ``tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)``.
+
+        The spliced pieces know only roles and contents: a chat with tools, or a message with
+        any other field (tool_calls, tool_call_id, name), is rendered by the template itself."""
+        if tools:
+            return self.tokenizer.render_chat(messages, add_generation_prompt=True, tools=tools)
         pieces = self._pieces_for(tuple(m["role"] for m in messages)) if self.fast else None
-        if pieces is None or any("\ue000" in m["content"] for m in messages):
+        if pieces is None or any(len(m) != 2 or not isinstance(m.get("content"), str) or "\ue000" in m["content"]
+                                 for m in messages):
             return self.tokenizer.render_chat(messages, add_generation_prompt=True)
         out = [pieces[0]]
         for m, piece in zip(messages, pieces[1:]):
@@ -152,7 +160,7 @@ class SegmentEncoder:
 
 
 class ChatPromptEncoder:
-    """``render(messages)`` gives the prompt text (as ``render_chat(..., add_generation_prompt=True)``),
+    """``render(messages, tools)`` gives the prompt text (as ``render_chat(..., add_generation_prompt=True)``),
     ``encode_many(texts)`` its token ids without special tokens added: together, exactly
     ``apply_chat_template``. The renderer and the segment cache live as long as this object."""
 
@@ -160,8 +168,8 @@ class ChatPromptEncoder:
         self.renderer = ChatPromptRenderer(tokenizer)
         self.segments = SegmentEncoder(tokenizer)
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        return self.renderer.render(messages)
+    def render(self, messages: list[dict[str, Any]], tools: Optional[list[dict[str, Any]]] = None) -> str:
+        return self.renderer.render(messages, tools)
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
         return self.segments.encode_many(texts)

@@ -1,10 +1,13 @@
 """Engine: the public entry point. Validates requests, runs the step loop, yields outputs.
 
 One step = schedule (Scheduler) -> run the model on every scheduled sequence's new
-tokens (ModelRunner) -> sample the sequences that reached their last token (sampler)
--> append, check stops, release finished sequences. Each step's wall time is shared
-among the requests in it in proportion to the tokens each processed, which gives every
-request its `engine_seconds`. Defaults of every option: engine_config.py.
+tokens (ModelRunner), while the grammar masks of the constrained ones are computed beside it
+(grammar.py) -> fork the other choices of n-choice requests whose prompt was just computed
+(they share its KV blocks) -> sample the sequences that reached their last token (sampler)
+-> append, advance grammars, check stops, release finished sequences; a request is yielded
+when all its choices are done. Each step's wall time is shared among the requests in it in
+proportion to the tokens each processed, which gives every request its `engine_seconds`.
+Defaults of every option: engine_config.py.
 """
 from __future__ import annotations
 
@@ -12,21 +15,24 @@ import threading
 import time
 from typing import Callable, Iterable, Iterator, Optional
 
+import torch
+
 from nightshift.engine.block_manager import BlockManager
 from nightshift.engine.engine_config import EngineConfig, resolve_device, resolve_dtype
+from nightshift.engine.grammar import GrammarCompiler, GrammarError, GrammarMasks, LateGrammarCheck
 from nightshift.engine.loader import load_model
 from nightshift.engine.model_files import model_name, resolve_model
 from nightshift.engine.model_runner import ModelRunner
 from nightshift.engine.quant.config import resolve_quant_config
 from nightshift.engine.request_validation import check_request
-from nightshift.engine.sampler import sample
+from nightshift.engine.sampler import late_maskable, sample
 from nightshift.engine.scheduler import ScheduledSeq, Scheduler
-from nightshift.engine.sequence import Sequence
+from nightshift.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from nightshift.engine.step import StepItem
 from nightshift.engine.stop_checker import StopChecker
 from nightshift.engine.tokenizer import load_tokenizer
-from nightshift.engine.types import (EngineStats, GenerationOutput, GenerationRequest, InvalidRequestError, RequestError,
-                                     RequestFeed, StepReport)
+from nightshift.engine.types import (Choice, EngineStats, GenerationOutput, GenerationRequest, InvalidRequestError,
+                                     RequestError, RequestFeed, StepReport)
 
 
 class Engine:
@@ -41,9 +47,12 @@ class Engine:
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         eos = eos_token_ids if eos_token_ids is not None else list(tokenizer.eos_token_ids)
+        self.eos_token_ids = eos
         self.stop_checker = StopChecker(tokenizer, eos, self.max_model_len)
+        self.grammar = GrammarCompiler(tokenizer, self.vocab_size)
+        self._masks: Optional[GrammarMasks] = None        # made with the first constrained request
         self._stats = EngineStats(kv_blocks_total=runner.num_kv_blocks)
-        self._active: dict[str, Sequence] = {}
+        self._active: dict[str, SequenceGroup] = {}
         self._abort_requested: set[str] = set()
         self._lock = threading.Lock()
         self._generating = False
@@ -98,6 +107,18 @@ class Engine:
         if request.request_id in self._active:
             raise InvalidRequestError(request.request_id, "invalid_request",
                                       "request_id is already running in this engine", "request_id")
+        if request.sampling.n > self.scheduler.max_num_seqs:
+            raise InvalidRequestError(request.request_id, "invalid_request",
+                                      f"n ({request.sampling.n}) exceeds the engine's {self.scheduler.max_num_seqs} "
+                                      "sequences per step", "n")
+        spec = request.sampling.structured
+        if spec is not None:
+            try:
+                self.grammar.grammar(spec)
+            except GrammarError as err:
+                what = "schema" if spec.kind == "json_schema" else "grammar"
+                raise InvalidRequestError(request.request_id, "invalid_request",
+                                          f"Invalid {what} for '{spec.param}': {err}", spec.param) from None
 
     # ---- generation ---------------------------------------------------------------------
     def generate(self, requests: Iterable[GenerationRequest], offline: bool = True,
@@ -133,12 +154,14 @@ class Engine:
                 yield from self._take_aborts()
                 if not self.scheduler.has_unfinished():
                     continue
-                for seq in self._step():
-                    yield self._finish(seq)
+                for group in self._step():
+                    yield self._finish(group)
         finally:
-            for seq in list(self._active.values()):  # iterator closed early, or an error
-                self.scheduler.finish(seq)
-                self._active.pop(seq.request_id, None)
+            for group in list(self._active.values()):  # iterator closed early, or an error
+                for seq in group.seqs:
+                    if seq.status is not SequenceStatus.FINISHED:
+                        self.scheduler.finish(seq)
+                self._active.pop(group.request_id, None)
             self._abort_requested.clear()
             self._generating = False
 
@@ -152,8 +175,12 @@ class Engine:
                 yield self._error_output(request, err)
                 continue
             seq = Sequence(request, self.block_manager.block_size)
+            if request.sampling.structured is not None:
+                seq.matcher = self.grammar.matcher(request.sampling.structured)
+                if self._masks is None:
+                    self._masks = GrammarMasks(self.vocab_size)
             with self._lock:
-                self._active[seq.request_id] = seq
+                self._active[seq.request_id] = SequenceGroup(seq)
             self._stats.prompt_tokens += seq.num_prompt_tokens
             seqs.append(seq)
         self.scheduler.add(seqs, offline=offline)
@@ -169,6 +196,13 @@ class Engine:
             self._abort_requested.add(request_id)
             return True
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the prefix cache (e.g. between benchmark runs); blocks of running requests stay."""
+        with self._lock:
+            if self._generating:
+                raise RuntimeError("reset_prefix_cache() while generate() runs")
+            self.block_manager.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         stats = EngineStats(**vars(self._stats))
         stats.kv_blocks_used = self.block_manager.num_used_blocks
@@ -180,37 +214,67 @@ class Engine:
         with self._lock:
             ids, self._abort_requested = self._abort_requested, set()
         for rid in ids:
-            seq = self._active.get(rid)
-            if seq is None:
+            group = self._active.get(rid)
+            if group is None:
                 continue
-            self.scheduler.finish(seq)
-            seq.finish_reason = "abort"
-            seq.text = self.stop_checker.final_text(seq, drop_last=False)
-            yield self._finish(seq)
+            self._end_group(group, "abort")
+            yield self._finish(group)
 
-    def _step(self) -> list[Sequence]:
+    def _end_group(self, group: SequenceGroup, reason: str) -> None:
+        """Finish every choice of `group` that still runs, with `reason`."""
+        for seq in group.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.finish(seq)
+                seq.finish_reason = reason
+                seq.text = self.stop_checker.final_text(seq, drop_last=False)
+
+    def _step(self) -> list[SequenceGroup]:
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             raise RuntimeError("scheduler made no progress with requests pending (engine bug)")
         items = [StepItem(item.seq.token_ids[item.start_pos:item.start_pos + item.num_new_tokens],
                           item.start_pos, item.seq.block_table, item.need_logits) for item in scheduled]
-        logits = self.runner.execute(items)
         sampled = [item.seq for item in scheduled if item.need_logits]
-        result = sample(logits, [s.sampling for s in sampled], [s.generator for s in sampled]) if sampled else None
+        pending = None
+        if self._masks is not None and sampled:   # rows masked before sampling, computed beside the model
+            pending = self._masks.start([s.matcher if s.matcher is not None and not late_maskable(s.sampling)
+                                         else None for s in sampled])
+        logits = self.runner.execute(items)
         self.scheduler.complete_step(scheduled)
+        masks = pending.wait() if pending is not None else None
+        if any(seq.forks_pending for seq in sampled):
+            logits, masks = self._fork(sampled, logits, masks)
+        late = None
+        if self._masks is not None:   # the other constrained rows: checked after sampling
+            rows = [i for i, s in enumerate(sampled) if s.matcher is not None and late_maskable(s.sampling)]
+            late = LateGrammarCheck(self._masks, rows, [s.matcher for s in sampled]) if rows else None
+        result = sample(logits, [s.sampling for s in sampled], [s.generator for s in sampled], sampled,
+                        self.eos_token_ids, masks, late) if sampled else None
 
         now = time.time()
-        finished: list[Sequence] = []
+        ended: list[SequenceGroup] = []
+        dead_ends = set(result.dead_ends) if result is not None else set()
         for index, seq in enumerate(sampled):
-            seq.append_token(result.token_ids[index], result.logprobs[index])
+            if seq.status is SequenceStatus.FINISHED:   # another choice of its request ended it
+                continue
+            token = result.token_ids[index]
+            seq.append_token(token, result.logprobs[index], result.top_logprobs[index])
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if index in dead_ends or (seq.matcher is not None and not seq.matcher.consume_token(token)):
+                group = self._active[seq.request_id]
+                seq.error = self._grammar_error(seq)
+                self._end_group(group, "error")
+                ended.append(group)
+                continue
             reason = self.stop_checker.check(seq)
             if reason is not None:
                 seq.finish_reason = reason
                 self.scheduler.finish(seq)
-                finished.append(seq)
+                group = self._active[seq.request_id]
+                if group.finished:
+                    ended.append(group)
         self._stats.output_tokens += len(sampled)
         seconds = time.perf_counter() - start
         self._account(scheduled, seconds)
@@ -219,7 +283,39 @@ class Engine:
                                 self.block_manager.num_used_blocks, self.block_manager.num_blocks)
             for listener in self.step_listeners:
                 listener(report)
-        return finished
+        return ended
+
+    def _fork(self, sampled: list[Sequence], logits: torch.Tensor,
+              masks: Optional[tuple[list[int], torch.Tensor]]) -> tuple[torch.Tensor, Optional[tuple]]:
+        """Fork the other choices of every sampled sequence that has them pending (its prompt was
+        just computed): each joins `sampled` with a copy of its parent's logits row (and grammar
+        mask row), so all n choices draw their first token from the one prefill."""
+        parent_rows: list[int] = []
+        for row, seq in enumerate(list(sampled)):
+            if not seq.forks_pending:
+                continue
+            children, copies = self.scheduler.fork(seq)
+            self.runner.copy_blocks(copies)
+            self._active[seq.request_id].seqs.extend(children)
+            sampled.extend(children)
+            parent_rows.extend([row] * len(children))
+        index = torch.tensor(parent_rows, device=logits.device)
+        logits = torch.cat([logits, logits.index_select(0, index)])
+        if masks is not None:
+            rows, bitmask = masks
+            mask_of = {row: j for j, row in enumerate(rows)}
+            extra = [(len(sampled) - len(parent_rows) + k, mask_of[row])
+                     for k, row in enumerate(parent_rows) if row in mask_of]
+            if extra:
+                masks = (rows + [r for r, _ in extra],
+                         torch.cat([bitmask, bitmask.index_select(0, torch.tensor([j for _, j in extra]))]))
+        return logits, masks
+
+    def _grammar_error(self, seq: Sequence) -> RequestError:
+        spec = seq.sampling.structured
+        return RequestError("invalid_request", f"The grammar of '{spec.param}' allows no further token after "
+                            f"{seq.num_output_tokens - 1} generated tokens (the schema cannot be completed).",
+                            spec.param)
 
     def _account(self, scheduled: list[ScheduledSeq], seconds: float) -> None:
         """Share the step's wall time by tokens processed; split it into prefill and decode."""
@@ -231,29 +327,35 @@ class Engine:
         self._stats.decode_seconds += seconds * decode_tokens / total
         self._stats.prefill_seconds += seconds * (total - decode_tokens) / total
 
-    def _finish(self, seq: Sequence) -> GenerationOutput:
-        self._active.pop(seq.request_id, None)
-        cached = seq.cached_prompt_tokens or 0
+    def _finish(self, group: SequenceGroup) -> GenerationOutput:
+        self._active.pop(group.request_id, None)
+        first = group.seqs[0]
+        cached = first.cached_prompt_tokens or 0
         self._stats.cached_prompt_tokens += cached
         self._stats.requests_finished += 1
+        error = next((seq.error for seq in group.seqs if seq.error is not None), None)
+        choices = [] if error is not None else [
+            Choice(seq.choice_index, seq.output_token_ids, seq.text, seq.finish_reason,
+                   list(seq.output_logprobs) if seq.sampling.logprobs else None,
+                   list(seq.output_top_logprobs) if seq.sampling.logprobs and seq.sampling.top_logprobs else None)
+            for seq in group.seqs]
+        starts = [seq.first_token_time for seq in group.seqs if seq.first_token_time is not None]
         return GenerationOutput(
-            request_id=seq.request_id,
-            token_ids=seq.output_token_ids,
-            text=seq.text,
-            finish_reason=seq.finish_reason,
-            prompt_tokens=seq.num_prompt_tokens,
+            request_id=group.request_id,
+            choices=choices,
+            prompt_tokens=first.num_prompt_tokens,
             cached_prompt_tokens=cached,
-            completion_tokens=seq.num_output_tokens,
-            first_token_time=seq.first_token_time,
+            completion_tokens=sum(seq.num_output_tokens for seq in group.seqs),
+            first_token_time=min(starts) if starts else None,
             finish_time=time.time(),
-            engine_seconds=seq.engine_seconds,
-            logprobs=list(seq.output_logprobs) if seq.sampling.logprobs else None,
+            engine_seconds=sum(seq.engine_seconds for seq in group.seqs),
+            error=error,
         )
 
     def _error_output(self, request, err: InvalidRequestError) -> GenerationOutput:
         prompt = getattr(request, "prompt_token_ids", None)
         return GenerationOutput(
-            request_id=err.request_id, token_ids=[], text="", finish_reason="error",
+            request_id=err.request_id, choices=[],
             prompt_tokens=len(prompt) if isinstance(prompt, (list, tuple)) else 0,
             cached_prompt_tokens=0, completion_tokens=0, first_token_time=None, finish_time=time.time(),
             error=RequestError(err.code, err.message, err.param))

@@ -68,6 +68,18 @@ class ModelRunner:
         logits = self.model(input_ids, pos, self.kv_caches, self.attention, meta, logits_rows)
         return logits if wanted else torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=device)
 
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy the K/V of block `source` into block `destination`, every layer, for each pair
+        (a forked choice's own copy of its prompt's partial last block)."""
+        if not pairs:
+            return
+        source = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.device)
+        destination = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache.index_copy_(0, destination, k_cache.index_select(0, source))
+            v_cache.index_copy_(0, destination, v_cache.index_select(0, source))
+
     def _check(self, index: int, item: StepItem) -> None:
         n = len(item.token_ids)
         end = item.start_pos + n

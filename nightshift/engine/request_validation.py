@@ -6,7 +6,13 @@ from __future__ import annotations
 import math
 from typing import NoReturn, Optional
 
-from nightshift.engine.types import GenerationRequest, InvalidRequestError, SamplingParams
+from nightshift.engine.types import STRUCTURED_KINDS, GenerationRequest, InvalidRequestError, SamplingParams, \
+    StructuredOutput
+
+MAX_CHOICES = 128           # n
+MAX_TOP_LOGPROBS = 20       # alternatives per token
+MAX_PENALTY = 2.0           # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0      # |logit_bias value| (OpenAI's range)
 
 
 def check_request(request, vocab_size: int, max_model_len: int, block_size: int, num_kv_blocks: int) -> None:
@@ -35,10 +41,10 @@ def check_request(request, vocab_size: int, max_model_len: int, block_size: int,
     if total > max_model_len:
         bad(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens exceeds the "
             f"model's context length of {max_model_len}", "max_tokens", "context_length_exceeded")
-    blocks = -(-total // block_size)
+    blocks = -(-total // block_size) + params.n - 1    # each further choice copies the prompt's last block
     if blocks > num_kv_blocks:
-        bad(f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks but the engine's KV cache has only "
-            f"{num_kv_blocks}", "max_tokens", "context_length_exceeded")
+        bad(f"prompt + max_tokens = {total} tokens (n = {params.n}) needs {blocks} KV blocks but the engine's KV "
+            f"cache has only {num_kv_blocks}", "max_tokens", "context_length_exceeded")
 
 
 def _validate_sampling(params: SamplingParams, vocab_size: int, bad) -> None:
@@ -66,7 +72,9 @@ def _validate_sampling(params: SamplingParams, vocab_size: int, bad) -> None:
         bad(f"top_p must be in (0, 1], got {top_p}", "top_p")
     if integer("top_k") < -1:
         bad(f"top_k must be -1, 0 (off) or a positive integer, got {params.top_k}", "top_k")
-    integer("seed", allow_none=True)
+    seed = integer("seed", allow_none=True)
+    if seed is not None and not -2**63 <= seed <= 2**64 - 1 - (params.n - 1 if isinstance(params.n, int) else 0):
+        bad(f"seed must be a 64-bit integer (choice i draws from seed + i), got {seed}", "seed")
     for name in ("ignore_eos", "logprobs"):
         if not isinstance(getattr(params, name), bool):
             bad(f"{name} must be true or false, got {getattr(params, name)!r}", name)
@@ -75,3 +83,31 @@ def _validate_sampling(params: SamplingParams, vocab_size: int, bad) -> None:
     if not isinstance(params.stop_token_ids, (list, tuple)) or not all(
             isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in params.stop_token_ids):
         bad(f"stop_token_ids must be integers in [0, {vocab_size}), got {params.stop_token_ids!r}", "stop_token_ids")
+    if not 1 <= integer("n") <= MAX_CHOICES:
+        bad(f"n must be between 1 and {MAX_CHOICES}, got {params.n}", "n")
+    if not 0 <= integer("min_tokens") <= params.max_tokens:
+        bad(f"min_tokens must be between 0 and max_tokens ({params.max_tokens}), got {params.min_tokens}", "min_tokens")
+    if not 0 <= integer("top_logprobs") <= MAX_TOP_LOGPROBS:
+        bad(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.top_logprobs}", "top_logprobs")
+    if not 0 <= number("min_p") <= 1:
+        bad(f"min_p must be in [0, 1], got {params.min_p}", "min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -MAX_PENALTY <= number(name) <= MAX_PENALTY:
+            bad(f"{name} must be between -{MAX_PENALTY:g} and {MAX_PENALTY:g}, got {getattr(params, name)}", name)
+    repetition = number("repetition_penalty")
+    if not 0 < repetition or math.isinf(repetition):
+        bad(f"repetition_penalty must be a positive number, got {repetition}", "repetition_penalty")
+    bias = params.logit_bias
+    if not isinstance(bias, dict):
+        bad(f"logit_bias must map token ids to numbers, got {bias!r}", "logit_bias")
+    for token, value in bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            bad(f"logit_bias keys must be token ids in [0, {vocab_size}), got {token!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -MAX_LOGIT_BIAS <= value <= \
+                MAX_LOGIT_BIAS:
+            bad(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {value!r}",
+                f"logit_bias.{token}")
+    spec = params.structured
+    if spec is not None and (not isinstance(spec, StructuredOutput) or spec.kind not in STRUCTURED_KINDS):
+        bad(f"structured must be a StructuredOutput of kind {', '.join(STRUCTURED_KINDS)}, got {spec!r}",
+            "structured")

@@ -15,6 +15,9 @@ the cache instead of computing the same block twice. Together with the offline o
 leader per group first and its followers as soon as the shared blocks are cached.
 Nobody starves: the queue head is never skipped for lack of blocks, and a held-back
 sequence waits only on a running sequence that makes progress every step.
+
+A request with n choices is admitted as one sequence that counts n against `max_num_seqs`; once
+its prompt is computed, `fork` adds the other n - 1, sharing its prompt's blocks.
 """
 from __future__ import annotations
 
@@ -75,6 +78,30 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def fork(self, parent: Sequence) -> tuple[list[Sequence], list[tuple[int, int]]]:
+        """The pending choices of `parent` (whose prompt was just computed) as sequences of their own,
+        returned with the (source, destination) blocks whose K/V the runner must copy. Each shares
+        the parent's full blocks and runs from the next step; if the pool has no block for a
+        fork's copy of the partial last block, that fork waits at the queue head instead and
+        recomputes its prompt (from the prefix cache) when admitted."""
+        bm = self.block_manager
+        children: list[Sequence] = []
+        copies: list[tuple[int, int]] = []
+        for index in range(parent.choice_index + 1, parent.choice_index + 1 + parent.forks_pending):
+            child = parent.fork(index)
+            children.append(child)
+            if bm.fork_cost(parent) <= bm.num_free_blocks:
+                copy = bm.fork(parent, child)
+                if copy is not None:
+                    copies.append(copy)
+                child.status = SequenceStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.status = SequenceStatus.WAITING
+                self.waiting.appendleft(child)
+        parent.forks_pending = 0
+        return children, copies
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
@@ -129,6 +156,8 @@ class Scheduler:
         held_back: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.running and len(self.running) + 1 + seq.forks_pending > self.max_num_seqs:
+                break   # room for all of its choices first
             matched = bm.match_prefix(seq)
             if caching and bm.first_missing_block_hash(seq, len(matched)) in pending:
                 held_back.append(self.waiting.popleft())
@@ -136,7 +165,7 @@ class Scheduler:
                     break
                 continue
             n = min(seq.num_tokens - len(matched) * bm.block_size, budget)
-            if bm.admission_cost(matched, seq, n) > bm.num_free_blocks:
+            if bm.admission_cost(matched, seq, n) + seq.forks_pending > bm.num_free_blocks:
                 break  # the head waits for blocks; nobody behind it jumps ahead
             cached = bm.allocate_prefix(seq, matched)
             if seq.cached_prompt_tokens is None:

@@ -1,4 +1,6 @@
-"""When a sequence stops, and its text: stop token ids, EOS, stop strings, max_tokens.
+"""When a sequence stops, and its text: stop token ids, EOS, stop strings, a completed grammar,
+max_tokens. Before min_tokens tokens, only max_tokens and the context length stop a sequence
+(the sampler bars its stop tokens until then; stop strings are not looked for, as in vLLM).
 
 Text is produced incrementally only for requests with stop strings (every other request
 is decoded once when it finishes). The incremental step decodes a short window of
@@ -51,16 +53,20 @@ class StopChecker:
         """Called after each appended token: the finish reason, or None to go on.
 
         A stop token (EOS or stop_token_ids) stays in token_ids but not in the text;
-        a stop string is cut from the text (the tokens that produced it are kept).
+        a stop string is cut from the text (the tokens that produced it are kept). A constrained
+        sequence stops as soon as its grammar is complete (nothing but EOS could follow).
         """
         params = seq.sampling
         token = seq.token_ids[-1]
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             seq.text = self.final_text(seq, drop_last=True)
             return "stop"
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            seq.text = self.final_text(seq, drop_last=token in self.eos_token_ids)
+            return "stop"
         if params.stop:
             delta = detokenize_incrementally(self.tokenizer, seq)
-            if delta:
+            if delta and seq.num_output_tokens >= params.min_tokens:
                 index = find_stop_string(seq.text, len(delta), params.stop)
                 if index is not None:
                     seq.text = seq.text[:index]

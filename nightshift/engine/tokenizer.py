@@ -26,6 +26,7 @@ from tokenizers import AddedToken, Regex, Tokenizer as BackendTokenizer, decoder
 from nightshift.engine.chat_prompts import ChatPromptEncoder
 from nightshift.engine.gguf_file import GGUFFile
 from nightshift.engine.model_files import atomic_write, cache_entry, resolve_model
+from nightshift.engine.tool_formats import ToolSupport, tool_support
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "tokenizer_meta.json"
@@ -122,6 +123,12 @@ class Tokenizer:
                             **kwargs) -> list[int]:
         """Prompt token ids for a chat (the template writes any BOS itself, so none is added)."""
         return self.encode(self.render_chat(messages, add_generation_prompt, **kwargs), add_special_tokens=False)
+
+    @cached_property
+    def tool_support(self) -> ToolSupport:
+        """What the chat template does with tools: its call format, whether it renders the
+        ``tools`` list and assistant ``tool_calls`` (engine/tool_formats.py)."""
+        return tool_support(self.chat_template)
 
     def chat_prompt_encoder(self) -> ChatPromptEncoder:
         """Renders and encodes many chat prompts fast, with the same ids as apply_chat_template."""

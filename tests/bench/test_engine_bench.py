@@ -52,3 +52,23 @@ def test_bench_command_reports_engine_floor_and_hf():
     assert report.ratio == pytest.approx(result.output_tps / max(r.output_tps for r in report.hf))
     assert any("== nightshift engine ==" in line for line in lines)     # sections are logged as they finish
     assert any(line.startswith("5x the best HF") for line in lines)
+
+
+@pytest.mark.slow
+def test_structured_run_makes_the_same_tokens_under_the_schema():
+    lines = []
+    report = bench.run(bench.parse_args(["--num-requests", "3", "--output-len", "24", "--skip-hf", "--structured",
+                                         "--repeats", "2", "--threads", str(min(2, os.cpu_count()))]),
+                       log=lines.append)
+    assert report.structured.output_tokens == report.engine.output_tokens == 3 * 24   # every answer ran to length
+    assert report.structured.prompt_tokens == report.engine.prompt_tokens
+    assert report.structured.cached_tokens == report.engine.cached_tokens              # both from an empty cache
+    assert any("of the unconstrained run's" in line for line in lines)
+    alternating = next(line for line in lines if line.startswith("output tok/s, runs alternating"))
+    assert alternating.count(",") == 3            # "tok/s," and two runs of each side
+
+
+def test_structured_schema_compiles_and_forces_long_answers():
+    import jsonschema
+    jsonschema.Draft202012Validator.check_schema(bench.STRUCTURED_SCHEMA)
+    assert bench.STRUCTURED_SCHEMA["properties"]["summary"]["minLength"] >= 2000

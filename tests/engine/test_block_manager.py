@@ -174,3 +174,36 @@ def test_double_free_is_detected():
     a.block_table = table
     with pytest.raises(AssertionError):
         bm.free(a)
+
+
+def test_reset_prefix_cache_forgets_free_cached_blocks_only():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    held, freed = make_seq(range(9), "held"), make_seq(range(100, 109), "freed")
+    admit(bm, held)
+    admit(bm, freed)
+    bm.free(freed)
+    assert bm.num_cached_free_blocks == 2
+    bm.reset_prefix_cache()
+    assert bm.num_cached_free_blocks == 0 and bm.num_free_blocks == 8 - 3
+    assert bm.match_prefix(make_seq(range(100, 109))) == []          # forgotten
+    assert len(bm.match_prefix(make_seq(range(9)))) == 2             # a held sequence's blocks stay
+
+
+def test_fork_shares_full_blocks_copies_the_partial_one_and_frees_each_once():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    parent = make_seq(range(10))                # 2 full blocks + a partial one
+    admit(bm, parent)
+    child = parent.fork(1)
+    assert bm.fork_cost(parent) == 1
+    source, destination = bm.fork(parent, child)
+    assert source == parent.block_table[2] and destination not in parent.block_table
+    assert child.block_table[:2] == parent.block_table[:2] and child.block_table[2] == destination
+    assert child.num_computed_tokens == 10
+    assert [bm.blocks[b].ref_count for b in parent.block_table] == [2, 2, 1]
+    bm.free(parent)
+    assert bm.num_used_blocks == 3              # the child still holds the shared blocks and its copy
+    bm.free(child)
+    assert bm.num_used_blocks == 0
+    even = make_seq(range(100, 108))            # whole blocks only: nothing to copy
+    admit(bm, even)
+    assert bm.fork_cost(even) == 0 and bm.fork(even, even.fork(1)) is None

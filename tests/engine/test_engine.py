@@ -53,6 +53,17 @@ BAD_REQUESTS = [
     ("stop", [1, 2], SamplingParams(stop=[""]), "invalid_request", "stop"),
     ("stop-ids", [1, 2], SamplingParams(stop_token_ids=[-1]), "invalid_request", "stop_token_ids"),
     ("seed", [1, 2], SamplingParams(seed="abc"), "invalid_request", "seed"),
+    ("seed-range", [1, 2], SamplingParams(seed=2**64 - 2, n=3), "invalid_request", "seed"),
+    ("n", [1, 2], SamplingParams(n=0), "invalid_request", "n"),
+    ("many-n", [1, 2], SamplingParams(n=129), "invalid_request", "n"),
+    ("min-p", [1, 2], SamplingParams(min_p=1.5), "invalid_request", "min_p"),
+    ("min-tokens", [1, 2], SamplingParams(max_tokens=4, min_tokens=5), "invalid_request", "min_tokens"),
+    ("top-logprobs", [1, 2], SamplingParams(top_logprobs=21), "invalid_request", "top_logprobs"),
+    ("presence", [1, 2], SamplingParams(presence_penalty=2.5), "invalid_request", "presence_penalty"),
+    ("repetition", [1, 2], SamplingParams(repetition_penalty=0.0), "invalid_request", "repetition_penalty"),
+    ("bias-token", [1, 2], SamplingParams(logit_bias={10 ** 9: 1.0}), "invalid_request", "logit_bias"),
+    ("bias-value", [1, 2], SamplingParams(logit_bias={5: 101.0}), "invalid_request", "logit_bias.5"),
+    ("structured", [1, 2], SamplingParams(structured="json"), "invalid_request", "structured"),
 ]
 
 

@@ -10,29 +10,21 @@ before the call). CpuKernelAttention (engine/attention/cpu_kernel_backend.py) se
 rows only.
 
 Built on first use per (query heads per KV head, head dim) with the system C compiler
-(`cc -O3 -march=native -fopenmp`, the two as constants so the inner loops unroll), cached on
-disk by source hash under ~/.cache/nightshift/cpu_kernels (or $NIGHTSHIFT_KERNEL_CACHE), and
-called through ctypes (no torch headers, no ninja). Where there is no compiler or the build
-fails, `load()` returns None once and the backend selection keeps the torch path: nothing
-requires it. Float32 only (the CPU dtype where it matters); NIGHTSHIFT_CPU_ATTENTION=0 turns it off.
+(`cc -O3 -march=native -fopenmp`, the two as constants so the inner loops unroll) through
+kernels/c_library.py (cached on disk by source hash, called through ctypes). Where there is no
+compiler or the build fails, `load()` returns None once and the backend selection keeps the
+torch path: nothing requires it. Float32 only (the CPU dtype where it matters); NIGHTSHIFT_CPU_ATTENTION=0 turns it off.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-import warnings
-from pathlib import Path
 from typing import Optional
 
 import torch
 
-from nightshift.engine.cpu_features import cpu_flags
+from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
 
 SOURCE = r"""
 #include <math.h>
@@ -102,30 +94,10 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
 }
 """
 MAX_GROUP, MAX_HEAD_DIM = 16, 256      # qs/acc live on the stack: GQ * HD floats each
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = [*OPTIMIZE, "-ffast-math"]
 
 _lock = threading.Lock()
 _libs: dict[tuple[int, int], Optional[ctypes.CDLL]] = {}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("NIGHTSHIFT_KERNEL_CACHE") or Path.home() / ".cache" / "nightshift" / "cpu_kernels"
-    return Path(root)
-
-
-def _build(target: Path, flags: list[str]) -> None:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc/gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "paged_attention.c"
-        src.write_text(SOURCE)
-        out = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, str(src), "-o", str(out), "-lm"], capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(out, target)  # atomic: concurrent builders each write their own temp file
 
 
 def load(group: int = 3, head_dim: int = 64) -> Optional[ctypes.CDLL]:
@@ -140,21 +112,15 @@ def load(group: int = 3, head_dim: int = 64) -> Optional[ctypes.CDLL]:
         _libs[shape] = None
         if os.environ.get("NIGHTSHIFT_CPU_ATTENTION", "1") == "0":
             return None
-        flags = [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}"]
-        key = hashlib.sha256("\0".join([SOURCE, *flags, platform.machine(), *sorted(cpu_flags())]).encode()).hexdigest()[:16]
-        target = cache_dir() / f"paged_attention-g{group}-d{head_dim}-{key}.so"
-        try:
-            if not target.exists():
-                _build(target, flags)
-            lib = ctypes.CDLL(str(target))
+        lib = load_library(f"paged_attention-g{group}-d{head_dim}", SOURCE,
+                           [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}"])
+        if lib is not None:
             fn = lib.paged_attention_f32
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
                 [ctypes.c_int64] * 3 + [ctypes.c_float]
-            _libs[shape] = lib
-        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            warnings.warn(f"CPU paged-attention kernel unavailable, using the torch path: {err}")
-        return _libs[shape]
+        _libs[shape] = lib
+        return lib
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
