@@ -31,17 +31,16 @@ from typing import Callable, Optional
 
 from sqlalchemy import Row
 
-from nightshift.engine import GenerationOutput, GenerationRequest, SamplingParams
+from nightshift.engine import GenerationOutput, GenerationRequest
 from nightshift.jobs.batches.leases import (Lease, LeaseLost, RequestResult, claim_next_shard, claim_shard,
                                             complete_shard, pending_requests, release_shard, renew_lease,
                                             write_results)
 from nightshift.jobs.batches.lifecycle import start_finalize_if_done
 from nightshift.jobs.batches.models import Batch, RequestStatus
-from nightshift.jobs.batches.openai_mapping import (CHAT, COMPLETIONS, RequestBodyError, error_body, response_body,
-                                                    sampling_kwargs)
-from nightshift.jobs.ids import response_request_id
+from nightshift.jobs.batches.openai_mapping import CHAT, COMPLETIONS, RequestBodyError, error_body, sampling_kwargs
 from nightshift.settings import Settings
 from nightshift.storage.db import session_scope
+from nightshift.workers.generation_results import engine_sampling, generation_result, tool_format_of
 from nightshift.workers.metrics import worker_metrics
 
 log = logging.getLogger(__name__)
@@ -103,6 +102,7 @@ class ShardStream:
         self.on_finalize, self.on_released = on_finalize, on_released
         self.url = settings.resolved_database_url
         self.low_water = engine.config.max_num_seqs       # keep a step's worth of sequences queued
+        self.tool_format = tool_format_of(engine)          # the model's own tool-call format, if any
         self.claim_until = time.monotonic() + settings.engine_stream_seconds
         # `cond` guards everything both threads touch: outputs, held, owner_of, prepared and the
         # claim requests. A held shard's own fields are the database thread's alone.
@@ -220,11 +220,12 @@ class ShardStream:
         """The engine request of a pending row (its id: str(row.id)); RequestBodyError if the
         body cannot run."""
         kwargs = sampling_kwargs(row.body, endpoint, len(row.prompt_token_ids), self.engine.max_model_len,
-                                 self.settings.default_chat_max_tokens, self.settings.default_completion_max_tokens)
-        return GenerationRequest(str(row.id), list(row.prompt_token_ids), SamplingParams(**kwargs))
+                                 self.settings.default_chat_max_tokens, self.settings.default_completion_max_tokens,
+                                 self.tool_format)
+        return GenerationRequest(str(row.id), list(row.prompt_token_ids), engine_sampling(kwargs))
 
     def _result_of(self, row: Row, out, endpoint: str) -> RequestResult:  # noqa: ANN001
-        return _result(row, out, endpoint, self.engine.model_name, self.engine.tokenizer)
+        return generation_result(row, out, endpoint, self.engine.model_name, self.engine.tokenizer, self.tool_format)
 
     # ---- the database thread -----------------------------------------------------------
     def _database_loop(self) -> None:
@@ -432,33 +433,3 @@ def _count_results(results: list[RequestResult]) -> None:
                     ("completion", sum(r.completion_tokens for r in results))):
         if n:
             m.tokens.labels(kind).inc(n)
-
-
-def token_pieces(tokenizer, token_ids: list[int]) -> tuple[Optional[list[str]], Optional[list[bytes]]]:  # noqa: ANN001
-    """The text and the bytes of each generated token (for logprobs), each decoded on its own
-    with special tokens kept; (None, None) without a tokenizer. A token that is part of a
-    multi-byte character decodes to U+FFFD, as in OpenAI's ``token`` field, and keeps its own
-    bytes in ``bytes``."""
-    if tokenizer is None:
-        return None, None
-    return ([tokenizer.decode([token_id], skip_special_tokens=False) for token_id in token_ids],
-            [tokenizer.token_bytes(token_id) for token_id in token_ids])
-
-
-def _result(row: Row, out: GenerationOutput, endpoint: str, model_name: str,
-            tokenizer=None) -> RequestResult:  # noqa: ANN001
-    if out.finish_reason == "error" or out.error is not None:
-        err = out.error
-        code, message, param = (err.code, err.message, err.param) if err else ("invalid_request", "rejected", None)
-        return RequestResult(row.id, RequestStatus.FAILED, response_status_code=400,
-                             response_body=error_body(code, message, param), finish_reason="error",
-                             prompt_tokens=0, finished_at=out.finish_time)
-    body = response_body(endpoint, response_request_id(row.id), int(out.finish_time), model_name, out.text,
-                         out.finish_reason, out.prompt_tokens, out.cached_prompt_tokens, out.completion_tokens,
-                         out.logprobs, *(token_pieces(tokenizer, out.token_ids) if out.logprobs is not None
-                                         else (None, None)))
-    return RequestResult(row.id, RequestStatus.COMPLETED, response_status_code=200, response_body=body,
-                         finish_reason=out.finish_reason, prompt_tokens=out.prompt_tokens,
-                         cached_tokens=out.cached_prompt_tokens, completion_tokens=out.completion_tokens,
-                         engine_seconds=out.engine_seconds, first_token_at=out.first_token_time,
-                         finished_at=out.finish_time)

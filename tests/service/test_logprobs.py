@@ -1,6 +1,6 @@
 """Logprobs through the real engine and shard stream: each generated token's logprob with its
-text (decoded by the model's tokenizer), in OpenAI's chat and completions shapes; alternatives
-(top_logprobs) are refused per request, not silently dropped."""
+text (decoded by the model's tokenizer), and the alternatives asked for, in OpenAI's chat and
+completions shapes."""
 from __future__ import annotations
 
 import orjson
@@ -47,7 +47,14 @@ def test_chat_logprobs_carry_each_token_text(pg_db, settings_env, tmp_path, engi
         assert "\ufffd" in c["token"] or c["bytes"] == list(c["token"].encode())
     assert bytes(b for c in content for b in c["bytes"]).decode() == chat["message"]["content"]
     assert bodies["c1"]["choices"][0]["logprobs"] is None                     # not asked for
-    assert bodies["c2"]["error"]["code"] == "unsupported_value" and bodies["c2"]["error"]["param"] == "top_logprobs"
+    # alternatives: two per position, best first; greedy (temperature 0), the chosen token is the best one
+    content = bodies["c2"]["choices"][0]["logprobs"]["content"]
+    assert content and len(content) == bodies["c2"]["usage"]["completion_tokens"]
+    for c in content:
+        top = c["top_logprobs"]
+        assert len(top) == 2 and top[0]["logprob"] >= top[1]["logprob"]
+        assert (top[0]["token"], top[0]["bytes"]) == (c["token"], c["bytes"])
+        assert top[0]["logprob"] == pytest.approx(c["logprob"], abs=1e-4)
 
 
 def test_completion_logprobs_carry_tokens_and_offsets(pg_db, settings_env, tmp_path, engine):  # noqa: F811
@@ -63,3 +70,22 @@ def test_completion_logprobs_carry_tokens_and_offsets(pg_db, settings_env, tmp_p
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 4 and "".join(lp["tokens"]) == choice["text"]
     assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(4)]
     assert orjson.loads(orjson.dumps(lp))["top_logprobs"] is None
+
+
+def test_completion_alternatives_are_one_object_per_position(pg_db, settings_env, tmp_path, engine):  # noqa: F811
+    from openai.types import Completion
+
+    from nightshift.storage.objectstore import get_object_store
+
+    settings = settings_env(database_url=pg_db, storage_dir=tmp_path / "o")
+    store = get_object_store()
+    lines = [{"custom_id": "p0", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "default", "prompt": "The sky is", "max_tokens": 4, "temperature": 0,
+                       "ignore_eos": True, "logprobs": 3}}]
+    body = outputs(pg_db, store, settings, engine, lines, "/v1/completions")["p0"]
+    lp = Completion.model_validate(body).choices[0].logprobs
+    assert len(lp.top_logprobs) == len(lp.tokens) == 4
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3                       # two ids may share a text
+        best = max(top, key=top.get)
+        assert best == token and top[best] == pytest.approx(logprob, abs=1e-4)   # greedy: the chosen one

@@ -4,7 +4,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from nightshift.jobs.batches.openai_mapping import RequestBodyError, response_body, sampling_kwargs
+from nightshift.jobs.batches.openai_mapping import RequestBodyError, sampling_kwargs
+from nightshift.jobs.batches.response_bodies import ChoiceOutput, TokenLogprob, response_body
 from nightshift.jobs.batches.shard_planning import plan_shards
 from nightshift.jobs.batches.validation import validate_lines
 
@@ -43,14 +44,34 @@ def test_valid_file_keeps_lines_and_model():
     (line(body={"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}), "model_not_found", "body.model"),
     (line(body={"messages": [{"role": "user", "content": "x"}]}), "invalid_request", "body.model"),
     (line(body={"model": "default"}), "invalid_request", "body.messages"),
-    (line(body={"model": "default", "messages": [{"role": "user", "content": "x"}], "n": 3}), "invalid_request",
-     "body.n"),
 ])
 def test_each_bad_line_names_line_code_and_param(raw, code, param):
     r = run([line("ok"), raw])
     assert not r.ok
     assert r.errors == [{"code": code, "param": param, "line": 2, "message": r.errors[0]["message"]}]
     assert r.errors[0]["message"]
+
+
+def test_n_and_other_body_fields_are_judged_per_request_not_at_validation():
+    # n (1-128), tools, response_format, sampling values: a bad one fails only its request, in the engine worker
+    bodies = [{"model": "default", "messages": [{"role": "user", "content": "x"}], "n": 3},
+              {"model": "default", "messages": [{"role": "user", "content": "x"}], "n": 500},
+              {"model": "default", "messages": [{"role": "user", "content": "x"}], "tools": "nonsense"},
+              {"model": "default", "messages": [{"role": "user", "content": "x"}], "no_such_field": 1}]
+    assert run([line(str(i), body=b) for i, b in enumerate(bodies)]).ok
+    assert sampling_kwargs(bodies[0], CHAT, 5, 2048, 256, 16)["n"] == 3
+    with pytest.raises(RequestBodyError) as e:
+        sampling_kwargs(bodies[1], CHAT, 5, 2048, 256, 16)
+    assert e.value.param == "n" and "between 1 and 128" in e.value.message
+
+
+def test_an_assistant_message_that_calls_tools_may_leave_content_out():
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    body = {"model": "default", "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls},
+                                             {"role": "tool", "tool_call_id": "call_1", "content": "42"}]}
+    assert run([line(body=body)]).ok
+    body["messages"][1] = {"role": "assistant"}
+    assert [e["param"] for e in run([line(body=body)]).errors] == ["body.messages.1"]
 
 
 def test_missing_method_and_url_give_one_error_each():
@@ -149,11 +170,12 @@ def test_bad_sampling_values_name_the_field(body, param):
 
 
 def test_response_bodies_have_openai_shape():
-    chat = response_body(CHAT, "x1", 100, "m", "hello", "length", 10, 4, 2)
+    chat = response_body(CHAT, "x1", 100, "m", [ChoiceOutput("hello", "length")], 10, 4, 2)
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"]["content"] == "hello"
+    assert chat["choices"][0]["finish_reason"] == "length"
     assert chat["usage"] == {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
                              "prompt_tokens_details": {"cached_tokens": 4}}
-    comp = response_body("/v1/completions", "x2", 100, "m", "t", "stop", 1, 0, 1)
+    comp = response_body("/v1/completions", "x2", 100, "m", [ChoiceOutput("t", "stop")], 1, 0, 1)
     assert comp["object"] == "text_completion" and comp["choices"][0]["text"] == "t"
 
 
@@ -214,30 +236,27 @@ def test_every_openai_role_is_accepted(role):
     ({"max_tokens": 5, "max_completion_tokens": 0}, "max_completion_tokens", "invalid_request", "at least 1"),
     ({"frequency_penalty": 5}, "frequency_penalty", "invalid_request", "between -2 and 2"),
     ({"presence_penalty": -2.5}, "presence_penalty", "invalid_request", "between -2 and 2"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_value", "not supported"),
     ({"presence_penalty": "x"}, "presence_penalty", "invalid_request", "must be a number"),
     ({"logit_bias": {"50256": 101}}, "logit_bias.50256", "invalid_request", "between -100 and 100"),
     ({"logit_bias": {"50256": -100.5}}, "logit_bias.50256", "invalid_request", "between -100 and 100"),
     ({"logit_bias": {"hello": 1}}, "logit_bias", "invalid_request", "not a token id"),
     ({"logit_bias": [1]}, "logit_bias", "invalid_request", "must be an object"),
-    ({"logit_bias": {"7": 5}}, "logit_bias", "unsupported_value", "not supported"),
-    ({"logprobs": True, "top_logprobs": 3}, "top_logprobs", "unsupported_value", "not supported"),
     ({"top_logprobs": 2}, "top_logprobs", "invalid_request", "requires 'logprobs'"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_request", "between 0 and 20"),
     ({"logprobs": "yes"}, "logprobs", "invalid_request", "must be a boolean"),
 ])
-def test_chat_values_openai_refuses_or_this_engine_cannot_apply_are_refused(body, param, code, says):
+def test_chat_values_openai_refuses_are_refused(body, param, code, says):
     with pytest.raises(RequestBodyError) as e:
         sampling_kwargs(body, CHAT, 5, 2048, 256, 16)
     assert (e.value.param, e.value.code) == (param, code) and says in e.value.message
 
 
 @pytest.mark.parametrize("body, param, code", [
-    ({"logprobs": 2}, "logprobs", "unsupported_value"),
     ({"logprobs": 6}, "logprobs", "invalid_request"),
+    ({"logprobs": -1}, "logprobs", "invalid_request"),
     ({"logprobs": True}, "logprobs", "invalid_request"),
 ])
-def test_completion_logprobs_beyond_the_chosen_token_are_refused(body, param, code):
+def test_completion_logprobs_outside_0_to_5_are_refused(body, param, code):
     with pytest.raises(RequestBodyError) as e:
         sampling_kwargs(body, "/v1/completions", 5, 2048, 256, 16)
     assert (e.value.param, e.value.code) == (param, code)
@@ -247,24 +266,42 @@ def test_neutral_values_are_accepted_and_logprobs_asked_for():
     kw = sampling_kwargs({"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {"5": 0}, "logprobs": True,
                           "top_logprobs": 0, "max_completion_tokens": 7, "max_tokens": 99}, CHAT, 5, 2048, 256, 16)
     assert kw["logprobs"] is True and kw["max_tokens"] == 7        # max_completion_tokens wins
+    assert (kw["frequency_penalty"], kw["presence_penalty"], kw["logit_bias"], kw["top_logprobs"]) == (0, 0, {}, 0)
     assert sampling_kwargs({}, CHAT, 5, 2048, 256, 16)["logprobs"] is False
     assert sampling_kwargs({"logprobs": 0}, "/v1/completions", 5, 2048, 256, 16)["logprobs"] is True
 
 
+def test_penalties_bias_and_alternatives_reach_the_engine():
+    # once refused (the engine could not apply them); now honoured
+    kw = sampling_kwargs({"frequency_penalty": 0.5, "presence_penalty": -1.5, "logit_bias": {"7": 5, "50256": -100},
+                          "logprobs": True, "top_logprobs": 3}, CHAT, 5, 2048, 256, 16)
+    assert (kw["frequency_penalty"], kw["presence_penalty"]) == (0.5, -1.5)
+    assert kw["logit_bias"] == {7: 5.0, 50256: -100.0} and all(isinstance(k, int) for k in kw["logit_bias"])
+    assert (kw["logprobs"], kw["top_logprobs"]) == (True, 3)
+    kw = sampling_kwargs({"logprobs": 2}, "/v1/completions", 5, 2048, 256, 16)
+    assert (kw["logprobs"], kw["top_logprobs"]) == (True, 2)
+
+
+def logprob_choice(text, finish, tokens, logprobs, token_bytes=None):
+    raws = token_bytes or [None] * len(logprobs)
+    return ChoiceOutput(text, finish, [TokenLogprob(t, b, lp) for t, b, lp in zip(tokens, raws, logprobs)])
+
+
 def test_logprobs_bodies_carry_token_texts_or_nulls_consistently():
-    chat = response_body(CHAT, "x", 1, "m", "Hi!", "stop", 3, 0, 2, logprobs=[-0.5, -0.25], tokens=["Hi", "!"])
+    chat = response_body(CHAT, "x", 1, "m", [logprob_choice("Hi!", "stop", ["Hi", "!"], [-0.5, -0.25])], 3, 0, 2)
     content = chat["choices"][0]["logprobs"]["content"]
     assert content == [{"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []},
                        {"token": "!", "logprob": -0.25, "bytes": [33], "top_logprobs": []}]
-    split = response_body(CHAT, "x", 1, "m", "日", "stop", 3, 0, 2, logprobs=[-0.5, -0.25], tokens=["\ufffd", "\ufffd"],
-                          token_bytes=[b"\xe6\x97", b"\xa5"])          # a character split over two tokens
+    split = response_body(CHAT, "x", 1, "m", [logprob_choice("日", "stop", ["\ufffd", "\ufffd"], [-0.5, -0.25],
+                                                             [b"\xe6\x97", b"\xa5"])], 3, 0, 2)   # one character, two tokens
     assert [c["bytes"] for c in split["choices"][0]["logprobs"]["content"]] == [[0xE6, 0x97], [0xA5]]
-    unknown = response_body(CHAT, "x", 1, "m", "Hi!", "stop", 3, 0, 2, logprobs=[-0.5, -0.25])
+    unknown = response_body(CHAT, "x", 1, "m", [logprob_choice("Hi!", "stop", [None, None], [-0.5, -0.25])], 3, 0, 2)
     assert [(c["token"], c["bytes"]) for c in unknown["choices"][0]["logprobs"]["content"]] == [(None, None)] * 2
-    comp = response_body("/v1/completions", "y", 1, "m", "Hi!", "length", 3, 0, 2, logprobs=[-0.5, -0.25],
-                         tokens=["Hi", "!"])
+    comp = response_body("/v1/completions", "y", 1, "m", [logprob_choice("Hi!", "length", ["Hi", "!"], [-0.5, -0.25])],
+                         3, 0, 2)
     assert comp["choices"][0]["logprobs"] == {"tokens": ["Hi", "!"], "token_logprobs": [-0.5, -0.25],
                                               "top_logprobs": None, "text_offset": [0, 2]}
-    comp = response_body("/v1/completions", "y", 1, "m", "Hi!", "length", 3, 0, 2, logprobs=[-0.5, -0.25])
+    comp = response_body("/v1/completions", "y", 1, "m", [logprob_choice("Hi!", "length", [None, None], [-0.5, -0.25])],
+                         3, 0, 2)
     assert comp["choices"][0]["logprobs"]["tokens"] is None and comp["choices"][0]["logprobs"]["text_offset"] is None
-    assert response_body(CHAT, "x", 1, "m", "Hi", "stop", 3, 0, 1)["choices"][0]["logprobs"] is None
+    assert response_body(CHAT, "x", 1, "m", [ChoiceOutput("Hi", "stop")], 3, 0, 1)["choices"][0]["logprobs"] is None

@@ -7,8 +7,8 @@ before the first line is skipped, as most JSONL readers do.
 Everything stored from a line must be storable in any database: no NUL character (Postgres
 text and JSON cannot hold one) in ``custom_id`` or anywhere in the body, no deeper nesting than
 ``MAX_BODY_DEPTH``, a ``custom_id`` within its column.
-The body's sampling values are not judged here: a bad value fails only that request
-(an error-file line), not the batch.
+The body's other fields (sampling values, n, tools, response_format: request_fields.py) are not
+judged here: a bad value fails only that request (an error-file line), not the batch.
 """
 from __future__ import annotations
 
@@ -94,7 +94,8 @@ def _check_body(body: dict[str, Any], endpoint: str, line: int, result: Validati
             ok = False
         else:
             for i, msg in enumerate(messages):
-                if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or "content" not in msg:
+                if not isinstance(msg, dict) or not isinstance(msg.get("role"), str) or \
+                        ("content" not in msg and not _calls_without_content(msg)):
                     result.add_error("invalid_request", f"messages[{i}] must be an object with 'role' and 'content'.",
                                      f"body.messages.{i}", line)
                     ok = False
@@ -114,11 +115,12 @@ def _check_body(body: dict[str, Any], endpoint: str, line: int, result: Validati
             result.add_error("invalid_request", "'prompt' must be a string, one string in an array, or an array "
                              "of token ids.", "body.prompt", line)
             ok = False
-    n = body.get("n", 1)
-    if n not in (1, None):
-        result.add_error("invalid_request", "Only n=1 is supported.", "body.n", line)
-        ok = False
     return ok
+
+
+def _calls_without_content(msg: dict[str, Any]) -> bool:
+    """An assistant message that calls tools may leave its content out, as at OpenAI."""
+    return msg.get("role") == "assistant" and (msg.get("tool_calls") is not None or msg.get("function_call") is not None)
 
 
 def _check_embeddings_body(body: dict[str, Any], line: int, result: ValidationResult) -> bool:
