@@ -97,6 +97,17 @@ class Settings(BaseSettings):
     result_flush_seconds: float = 0.25           # results are written in small transactions
     result_flush_rows: int = 64
     max_shard_attempts: int = 5                  # then its unrun requests become error lines
+    # An engine worker that cannot load its model tries again after model_load_retry_seconds,
+    # doubling up to model_load_retry_max_seconds, and takes none of that model's shards
+    # meanwhile. A shard waiting on a model no worker could load ends as model_unavailable error
+    # lines after max_shard_attempts failed loads, or model_unavailable_after_seconds of waiting.
+    model_load_retry_seconds: float = 10.0
+    model_load_retry_max_seconds: float = 300.0
+    model_unavailable_after_seconds: float = 600.0
+    # Engine workers register the models they serve (the engine_hosts table) and renew it this
+    # often; a row older than engine_host_stale_seconds is a dead worker's.
+    engine_host_heartbeat_seconds: float = 10.0
+    engine_host_stale_seconds: float = 45.0
     # Ingest attempts of a batch (counted as each starts); an ingest still failing after this many
     # (or whose attempts all died) fails the batch with the last error instead of looping.
     max_ingest_attempts: int = Field(default=3, ge=1)
@@ -117,7 +128,24 @@ class Settings(BaseSettings):
     # processes (uvicorn workers x db_pool_size + Celery worker processes x db_pool_size).
     db_pool_size: int = Field(default=8, ge=1)
     db_pool_timeout_seconds: float = 10.0        # workers: a checkout waiting longer raises
+    # The API gives up opening a Postgres connection after this long (libpq: whole seconds, at
+    # least 2), and on a connection whose sent data the server has not acknowledged this long:
+    # 503 + Retry-After while the database is unreachable, never a hang.
+    db_connect_timeout_seconds: float = Field(default=3.0, gt=0)
     api_queue_seconds: float = 2.0
+    # Requests of one API key in one API process at once (running or waiting for a database
+    # slot); one more is answered 503 + Retry-After at once (api/rate_limits.py). 0: no cap.
+    api_key_inflight: int = Field(default=16, ge=0)
+    # Token buckets per API key and per project: requests a second and the burst above it; over
+    # them, 429 + Retry-After (0 turns a limit off). In Redis (shared by every API process) when
+    # there is one: rate_limit_redis_url, else the broker's when it is redis://.
+    rate_limit_key_rps: float = Field(default=100.0, ge=0)
+    rate_limit_key_burst: int = Field(default=200, ge=1)
+    rate_limit_project_rps: float = Field(default=300.0, ge=0)
+    rate_limit_project_burst: int = Field(default=600, ge=1)
+    rate_limit_redis_url: Optional[str] = None
+    # A refused request is answered when a token would be back, at most this late (0: at once)
+    rate_limit_hold_seconds: float = Field(default=1.0, ge=0)
     api_retry_after_seconds: int = 1
     # Uploads parsed and stored at once per API process; more wait, unread (see api/app.py UploadGate).
     api_concurrent_uploads: int = Field(default=2, ge=1)

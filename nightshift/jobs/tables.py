@@ -4,6 +4,7 @@ tables; a new concept's models are added here."""
 from __future__ import annotations
 
 import nightshift.jobs.batches.models  # noqa: F401
+import nightshift.jobs.engine_hosts.models  # noqa: F401
 import nightshift.jobs.files.models  # noqa: F401
 import nightshift.jobs.projects.models  # noqa: F401
 import nightshift.jobs.schedules.models  # noqa: F401

@@ -102,17 +102,35 @@ def make_celery(settings: Settings | None = None) -> Celery:
 app = make_celery()
 
 
+_engine_worker = False      # this worker consumes the gpu queue (set before the pool forks)
+_host_heartbeat = None      # an engine worker process's engine hosts heartbeat (workers/host_heartbeat.py)
+
+
 @signals.worker_init.connect
-def _choose_metrics_dir(**_) -> None:   # noqa: ANN003 - in the worker's main process, before the pool forks
+def _choose_metrics_dir(sender=None, **_) -> None:   # noqa: ANN001, ANN003 - in the worker's main process, before the pool forks
     from nightshift.workers.metrics import use_metrics_dir
 
+    global _engine_worker
     use_metrics_dir(get_settings())
+    queues = getattr(getattr(getattr(sender, "app", None), "amqp", None), "queues", None)
+    _engine_worker = queues is not None and "gpu" in queues.consume_from
+
+
+@signals.worker_process_init.connect
+def _register_engine_host(**_) -> None:   # noqa: ANN003 - in each pool process, after the fork
+    global _host_heartbeat
+    if _engine_worker:
+        from nightshift.workers.host_heartbeat import HostHeartbeat
+
+        _host_heartbeat = HostHeartbeat(get_settings()).start()
 
 
 @signals.worker_process_shutdown.connect
 def _retire_metrics(pid=None, **_) -> None:  # noqa: ANN001, ANN003
     from nightshift.workers.metrics import mark_process_dead
 
+    if _host_heartbeat is not None:
+        _host_heartbeat.stop()
     mark_process_dead(pid or os.getpid())
 
 

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from nightshift.jobs.batches.ingest import (IngestSource, fail_ingest, ingest_failed_errors, insert_requests,
-                                            keep_ingest_alive, plan_ingest, refund_ingest_attempt, start_ingest,
-                                            tokenize_lines, validate_input)
+from nightshift.jobs.batches.ingest import (IngestSource, accepted_models, fail_ingest, ingest_failed_errors,
+                                            insert_requests, keep_ingest_alive, plan_ingest, refund_ingest_attempt,
+                                            start_ingest, tokenize_lines, validate_input)
 from nightshift.jobs.batches.lifecycle import batch_status
 from nightshift.jobs.batches.models import BatchStatus
 from nightshift.jobs.batches.openai_mapping import EMBEDDINGS
@@ -85,7 +85,9 @@ def _ingest(batch_id: str, source: IngestSource, tokenizer, load_tokenizer,  # n
             settings: Settings, store: ObjectStore) -> IngestOutcome:
     url = settings.resolved_database_url
     t0 = time.perf_counter()
-    lines = validate_input(store, source, settings)
+    with session_scope(url) as s:
+        models = accepted_models(s, source.endpoint, settings, time.time())
+    lines = validate_input(store, source, settings, models)
     t_validate = time.perf_counter()
     if lines.ok:
         if tokenizer is None and source.endpoint != EMBEDDINGS:   # the embedding worker tokenizes those

@@ -50,6 +50,10 @@ def worker_metrics() -> SimpleNamespace:
         shard_retries=Counter("nightshift_shard_retries", "Shard claims that were a repeated attempt"),
         lease_expiries=Counter("nightshift_lease_expiries", "Shard leases found expired by the reconciler"),
         tasks=Counter("nightshift_tasks", "Celery tasks run", ["task", "outcome"]),
+        load_failures=Counter("nightshift_engine_load_failures", "Model loads that failed in an engine worker",
+                              ["kind", "model"]),
+        load_failed=Gauge("nightshift_engine_load_failed", "1 while an engine worker cannot load this model "
+                          "(its last load failed), else 0", ["kind", "model"], multiprocess_mode="livemax"),
     )
 
 

@@ -6,8 +6,10 @@ Domain rules live in jobs/."""
 from __future__ import annotations
 
 import logging
+import time
 
 from nightshift.jobs.batches.leases import shard_endpoint
+from nightshift.jobs.batches.model_waits import note_unavailable, unavailable_notice
 from nightshift.jobs.batches.lifecycle import cancel_now
 from nightshift.jobs.batches.models import BatchStatus
 from nightshift.jobs.batches.openai_mapping import EMBEDDINGS
@@ -19,8 +21,8 @@ from nightshift.workers.batch_upkeep import expire_due_batches, reconcile_batche
 from nightshift.workers.celery_app import (TASK_CANCEL, TASK_EXPIRE, TASK_FINALIZE, TASK_INGEST, TASK_RECONCILE,
                                            TASK_RUN_SHARD, TASK_SWEEP_STORAGE, TASK_DELIVER_WEBHOOKS, TASK_EXPIRE_FILES,
                                            app)
-from nightshift.workers.engine_host import (engine_device, get_embedding_engine, get_engine, get_tokenizer,
-                                           worker_identity)
+from nightshift.workers.engine_host import (ModelUnavailable, engine_device, get_embedding_engine, get_engine,
+                                           get_tokenizer, worker_identity)
 from nightshift.workers.file_expiry import remove_expired_files
 from nightshift.workers.finalize import finalize_batch
 from nightshift.workers.ingest import ingest_batch
@@ -54,12 +56,19 @@ def run_shard(shard_id: int) -> str:
     if endpoint is None:
         return "skipped"
     # these import the engine: gpu workers only
-    if endpoint == EMBEDDINGS:
-        from nightshift.workers.embedding_stream import run_embedding_shard as run
-        engine = get_embedding_engine(settings)
-    else:
-        from nightshift.workers.shard_stream import run_shard as run
-        engine = get_engine(settings)
+    try:
+        if endpoint == EMBEDDINGS:
+            from nightshift.workers.embedding_stream import run_embedding_shard as run
+            engine = get_embedding_engine(settings)
+        else:
+            from nightshift.workers.shard_stream import run_shard as run
+            engine = get_engine(settings)
+    except ModelUnavailable as exc:
+        # The shard stays pending (nothing was claimed); the reconciler sends it again when a
+        # worker may load the model, and ends it as model_unavailable after too long.
+        with session_scope(settings.resolved_database_url) as s:
+            note_unavailable(s, shard_id, unavailable_notice(exc.model, exc.cause), time.time(), exc.attempted)
+        return "model_unavailable"
     result = run(shard_id, engine, settings=settings, owner=worker_identity(), device=engine_device(engine),
                  on_finalize=dispatch.enqueue_finalize, on_released=dispatch.enqueue_run_shard)
     return result.status

@@ -122,6 +122,37 @@ def test_finalize_writes_line_ordered_files_and_is_idempotent(any_db, settings, 
     assert finalize_batch(bid, settings=settings, store=store).status == "completed"  # terminal: no-op
 
 
+def test_a_failed_finalize_hands_its_lease_back(any_db, settings, store, monkeypatch):
+    """A finalize that raises (here: the object store refuses its writes) hands its lease back,
+    so the reconciler can send it again at once; a lease another finalize has taken since is
+    left alone. The next finalize completes the batch."""
+    bid, shards = make_running_batch(any_db, store, 3, 1)
+    lease = in_transaction(any_db, claim_shard, shards[0], "w", 30)
+    in_transaction(any_db, write_results, lease, [ok(r.id) for r in in_transaction(any_db, pending_requests, lease)], 30)
+    assert in_transaction(any_db, complete_shard, lease)
+    with session_scope(any_db) as s:
+        assert start_finalize_if_done(s, bid)
+    real_put = type(store).put_stream
+
+    def refused(*args, **kwargs):
+        raise OSError("object store unreachable")
+
+    monkeypatch.setattr(type(store), "put_stream", refused)
+    with pytest.raises(OSError):
+        finalize_batch(bid, settings=settings, store=store)
+    with session_scope(any_db) as s:
+        assert s.get(Batch, bid).finalize_lease_expires_at is None          # handed back
+    from nightshift.jobs.batches.finalize import prepare_finalize, release_finalize_lease
+    with session_scope(any_db) as s:
+        plan = prepare_finalize(s, bid, 30)                                 # another finalize takes it
+    with session_scope(any_db) as s:
+        assert not release_finalize_lease(s, bid, plan.lease_expires_at - 1)   # not ours: left alone
+        assert s.get(Batch, bid).finalize_lease_expires_at == plan.lease_expires_at
+        assert release_finalize_lease(s, bid, plan.lease_expires_at)
+    monkeypatch.setattr(type(store), "put_stream", real_put)
+    assert finalize_batch(bid, settings=settings, store=store).status == "completed"
+
+
 def test_cancel_mid_run_keeps_finished_and_drains_the_rest(any_db, settings, store):
     bid, (s1, s2) = make_running_batch(any_db, store, 6, 2)
     lease = in_transaction(any_db, claim_shard, s1, "w", 30)

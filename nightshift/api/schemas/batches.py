@@ -75,6 +75,9 @@ class BatchProgress(BaseModel):
     cached_tokens: int         # prompt tokens served from the engine's prefix cache
     fraction: float            # requests_done / total
     eta_seconds: Optional[float] = None
+    # why shards wait, when they wait on a model no worker could load ("no worker could load
+    # model X: <cause>"); they end as model_unavailable error lines if it does not load in time
+    notice: Optional[str] = None
 
 
 class BatchObject(BaseModel):

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from nightshift.jobs.batches.documents import batch_document
 from nightshift.jobs.batches.lifecycle import batch_status, drain_batch, final_status
+from nightshift.jobs.batches.model_waits import MODEL_UNAVAILABLE
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus
 from nightshift.jobs.batches.progress import batch_progress
 from nightshift.jobs.costs.batch_costs import write_cost_files
@@ -35,7 +36,8 @@ from nightshift.storage.objectstore import ObjectStore
 
 FINALIZABLE = (BatchStatus.FINALIZING, BatchStatus.CANCELLING)
 _FLUSH = 1024 * 1024
-_STAMPS = {BatchStatus.COMPLETED: "completed_at", BatchStatus.CANCELLED: "cancelled_at"}
+_STAMPS = {BatchStatus.COMPLETED: "completed_at", BatchStatus.CANCELLED: "cancelled_at",
+           BatchStatus.FAILED: "failed_at"}
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,8 @@ class FinalizePlan:
     project_id: str
     from_status: str          # the status finalize started in (its last write is conditional on it)
     target: str               # the terminal status it moves the batch to
+    lease_expires_at: float   # the finalize lease as this finalize took it
+    errors: Optional[dict] = None   # the batch's errors object when it fails (no request could run)
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,11 @@ def prepare_finalize(s: Session, batch_id: str, lease_seconds: float,
     finalizing or cancelling, or another finalize holds a live lease (nothing to do). A
     cancelling batch has its unrun requests drained here."""
     now = time.time() if now is None else now
+    expires = now + lease_seconds
     taken = s.execute(update(Batch).where(
         Batch.id == batch_id, Batch.status.in_(FINALIZABLE),
         or_(Batch.finalize_lease_expires_at.is_(None), Batch.finalize_lease_expires_at < now))
-        .values(finalize_lease_expires_at=now + lease_seconds))
+        .values(finalize_lease_expires_at=expires))
     batch = s.get(Batch, batch_id, populate_existing=True)
     if batch is None:
         raise LookupError(batch_id)
@@ -80,12 +85,40 @@ def prepare_finalize(s: Session, batch_id: str, lease_seconds: float,
         return None
     if batch.status == BatchStatus.CANCELLING:
         drain_batch(s, batch_id, "batch_cancelled", now)
-    return FinalizePlan(batch_id, batch.project_id, batch.status, final_status(batch))
+    target = final_status(batch)
+    cause = _why_nothing_ran(s, batch_id) if target == BatchStatus.COMPLETED else None
+    if cause is not None:   # every request ended model_unavailable: the batch failed
+        return FinalizePlan(batch_id, batch.project_id, batch.status, BatchStatus.FAILED, expires,
+                            {"object": "list", "data": [{"code": MODEL_UNAVAILABLE, "message": cause, "param": None,
+                                                         "line": None}]})
+    return FinalizePlan(batch_id, batch.project_id, batch.status, target, expires)
 
 
-def renew_finalize_lease(s: Session, batch_id: str, lease_seconds: float) -> None:
+def _why_nothing_ran(s: Session, batch_id: str) -> Optional[str]:
+    """The model_unavailable message when every request of the batch ended with it (none ran)."""
+    ran = s.scalar(select(Request.id).where(Request.batch_id == batch_id, or_(
+        Request.error_code.is_(None), Request.error_code != MODEL_UNAVAILABLE)).limit(1))
+    if ran is not None:
+        return None
+    return s.scalar(select(Request.error_message).where(Request.batch_id == batch_id).limit(1))
+
+
+def renew_finalize_lease(s: Session, batch_id: str, lease_seconds: float) -> float:
+    """Extend the running finalize's lease; returns its new expiry."""
+    expires = time.time() + lease_seconds
     s.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(FINALIZABLE))
-              .values(finalize_lease_expires_at=time.time() + lease_seconds))
+              .values(finalize_lease_expires_at=expires))
+    return expires
+
+
+def release_finalize_lease(s: Session, batch_id: str, expires_at: float) -> bool:
+    """A finalize that failed hands its lease back, if it is still the one it took or last
+    renewed (``expires_at``), so the reconciler sends the finalize again at once instead of when
+    the lease runs out. True if it was handed back."""
+    res = s.execute(update(Batch).where(Batch.id == batch_id, Batch.status.in_(FINALIZABLE),
+                                        Batch.finalize_lease_expires_at == expires_at)
+                    .values(finalize_lease_expires_at=None))
+    return res.rowcount == 1
 
 
 def result_line(row: Request) -> tuple[bool, bytes]:
@@ -160,6 +193,8 @@ def complete_finalize(s: Session, store: ObjectStore, settings: Settings, plan: 
               "finalize_lease_expires_at": None}
     if plan.target in _STAMPS:  # expired_at was stamped when the window closed
         values[_STAMPS[plan.target]] = now
+    if plan.errors is not None:
+        values["errors"] = plan.errors
     res = s.execute(update(Batch).where(Batch.id == plan.batch_id, Batch.status == plan.from_status)
                     .values(**values))
     if res.rowcount != 1:

@@ -27,11 +27,12 @@ from sqlalchemy.orm import Session
 from nightshift.jobs.batches import embeddings
 from nightshift.jobs.batches.documents import batch_document
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus, Shard
-from nightshift.jobs.batches.openai_mapping import (CHAT, EMBEDDINGS, RequestBodyError, chat_messages,
+from nightshift.jobs.batches.openai_mapping import (CHAT, EMBEDDINGS, RequestBodyError, chat_prompt,
                                                     planned_max_tokens, prompt_token_ids, requested_max_tokens)
 from nightshift.jobs.batches.progress import batch_progress
 from nightshift.jobs.batches.shard_planning import PlannedShard, plan_shards
 from nightshift.jobs.batches.validation import ValidationResult, validate_lines
+from nightshift.jobs.engine_hosts import registry
 from nightshift.jobs.files.models import File
 from nightshift.jobs.webhooks.events import record_event
 from nightshift.settings import Settings
@@ -110,13 +111,27 @@ def ingest_failed_errors(attempts: int, reason: Optional[str]) -> dict[str, Any]
                                         "param": None, "line": None}]}
 
 
-def validate_input(store: ObjectStore, source: IngestSource, settings: Settings) -> ValidationResult:
+def accepted_models(s: Session, endpoint: str, settings: Settings, now: float) -> set[str]:
+    """The model names a line of ``endpoint`` may use: those the live engine workers serve
+    (jobs/engine_hosts), or where none is alive yet (a cold start), this process's settings'."""
+    kind = registry.EMBEDDINGS if endpoint == EMBEDDINGS else registry.CHAT
+    served = registry.served_names(s, kind, now, settings.engine_host_stale_seconds)
+    if served is not None:
+        return served
+    return settings.accepted_embedding_model_names() if endpoint == EMBEDDINGS else settings.accepted_model_names()
+
+
+def validate_input(store: ObjectStore, source: IngestSource, settings: Settings,
+                   models: Optional[set[str]] = None) -> ValidationResult:
+    """Every line checked; ``models``: the names a line's model may be (``accepted_models``;
+    default: the settings')."""
     if source.object_key is None or not store.exists(source.object_key):
         result = ValidationResult()
         result.add_error("invalid_request", f"Cannot find file {source.input_file_id}.", "input_file_id", None)
         return result
-    models = settings.accepted_embedding_model_names() if source.endpoint == EMBEDDINGS \
-        else settings.accepted_model_names()
+    if models is None:
+        models = settings.accepted_embedding_model_names() if source.endpoint == EMBEDDINGS \
+            else settings.accepted_model_names()
     return validate_lines(iter_lines(store.get_stream(source.object_key)), source.endpoint, models,
                           max_lines=settings.max_lines, max_bytes=settings.max_file_bytes)
 
@@ -125,8 +140,9 @@ def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: 
                    settings: Settings) -> list[list[int]]:
     """Prompt token ids per valid line; a line whose prompt cannot be built becomes a validation error.
 
-    Chat prompts are rendered with the model's template, then encoded in batches (the same ids
-    as ``apply_chat_template``, which is render + encode without special tokens). Embeddings
+    Chat prompts are rendered with the model's template (with the body's tools: chat_history.py),
+    then encoded in batches (the same ids as ``apply_chat_template``, which is render + encode
+    without special tokens). Embeddings
     lines are not tokenized here (the embedding model's tokenizer runs in the engine worker):
     their ids are empty and the token limit is checked on their estimate."""
     token_ids: list[list[int]] = [[] for _ in result.lines]
@@ -135,6 +151,7 @@ def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: 
         return token_ids
     batched = endpoint == CHAT and hasattr(tokenizer, "chat_prompt_encoder")
     encoder = tokenizer.chat_prompt_encoder() if batched else None
+    tool_support = getattr(tokenizer, "tool_support", None)
     pending: list[tuple[int, str]] = []
 
     def encode_pending() -> None:
@@ -145,7 +162,7 @@ def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: 
     for i, vl in enumerate(result.lines):
         try:
             if batched:
-                pending.append((i, encoder.render(chat_messages(vl.body))))
+                pending.append((i, encoder.render(*chat_prompt(vl.body, tool_support))))
                 if len(pending) >= ENCODE_CHUNK:
                     encode_pending()
             else:

@@ -68,7 +68,8 @@ _CLAIM = (_shards.update()
           .values(status=ShardStatus.RUNNING, lease_owner=bindparam("s_owner"), lease_token=bindparam("s_token"),
                   lease_expires_at=bindparam("s_expires"), heartbeat_at=bindparam("s_now"),
                   attempt=_shards.c.attempt + 1, started_at=func.coalesce(_shards.c.started_at, bindparam("s_now")),
-                  worker=bindparam("s_owner"), device=bindparam("s_device"))
+                  worker=bindparam("s_owner"), device=bindparam("s_device"),
+                  load_error=None, unavailable_since=None)   # its model loaded: no longer waiting on it
           .returning(_shards.c.batch_id, _shards.c.attempt))
 _RENEW = (_shards.update()
           .where(_shards.c.id == bindparam("s_id"), _shards.c.lease_token == bindparam("s_token"),

@@ -18,6 +18,7 @@ DRAIN_MESSAGES = {
     "batch_cancelled": "This request was not executed because the batch was cancelled.",
     "batch_expired": "This request could not be executed before the completion window expired.",
     "shard_failed": "This request could not be executed: its worker failed repeatedly.",
+    "model_unavailable": "This request could not be executed: no worker could load its model.",
 }
 
 
@@ -56,20 +57,23 @@ def drain_batch(s: Session, batch_id: str, code: str, now: Optional[float] = Non
     return _drain_requests(s, Request.batch_id == batch_id, code, now)
 
 
-def drain_shard(s: Session, shard_id: int, code: str, now: Optional[float] = None) -> int:
+def drain_shard(s: Session, shard_id: int, code: str, now: Optional[float] = None,
+                message: Optional[str] = None) -> int:
+    """Revoke the shard's lease and turn its unrun requests into error lines (``message``: the
+    lines' error message, instead of the code's usual one)."""
     now = time.time() if now is None else now
     s.execute(update(Shard).where(Shard.id == shard_id).values(
         status=ShardStatus.CANCELLED, lease_token=None, lease_expires_at=None, finished_at=now))
-    return _drain_requests(s, Request.shard_id == shard_id, code, now)
+    return _drain_requests(s, Request.shard_id == shard_id, code, now, message)
 
 
-def _drain_requests(s: Session, where, code: str, now: float) -> int:  # noqa: ANN001
+def _drain_requests(s: Session, where, code: str, now: float, message: Optional[str] = None) -> int:  # noqa: ANN001
     per_shard = s.execute(select(Request.shard_id, func.count()).where(where, Request.status == RequestStatus.PENDING)
                           .group_by(Request.shard_id)).all()
     if not per_shard:
         return 0
     res = s.execute(update(Request).where(where, Request.status == RequestStatus.PENDING)
-                    .values(status=RequestStatus.FAILED, error_code=code, error_message=DRAIN_MESSAGES[code],
+                    .values(status=RequestStatus.FAILED, error_code=code, error_message=message or DRAIN_MESSAGES[code],
                             prompt_tokens=0, finished_at=now))  # never run: no tokens used
     for shard_id, n in per_shard:
         if shard_id is not None:

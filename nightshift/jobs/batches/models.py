@@ -104,6 +104,10 @@ class Shard(Base):
     started_at: Mapped[Optional[float]] = mapped_column(Float)     # first claim
     finished_at: Mapped[Optional[float]] = mapped_column(Float)
     last_error: Mapped[Optional[str]] = mapped_column(Text)
+    # While no worker can load the batch's model: what the last load attempt said (the batch's
+    # progress shows it), and since when its shard waits for one (cleared when a worker claims it)
+    load_error: Mapped[Optional[str]] = mapped_column(Text)
+    unavailable_since: Mapped[Optional[float]] = mapped_column(Float)
     worker: Mapped[Optional[str]] = mapped_column(String(256))
     device: Mapped[Optional[str]] = mapped_column(String(64))
 

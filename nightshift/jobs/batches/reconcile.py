@@ -6,7 +6,10 @@ leave behind, using only database state.
 - a pending shard whose wake-up is not waiting in the broker's queue (the caller reads the
   queue: ``queued``) is re-sent after ``requeue_missing_after_seconds``; where the queue cannot
   be read, once its wake-up is older than ``requeue_pending_after_seconds``. A shard whose
-  wake-up still waits is left alone (no duplicate messages piling up);
+  wake-up still waits is left alone (no duplicate messages piling up), and so is one waiting on
+  a model every live engine worker failed to load, until the first of them tries again;
+- a pending shard that waited on its model (model_waits.py) for ``max_shard_attempts`` load
+  attempts or ``model_unavailable_after_seconds`` is drained: ``model_unavailable`` error lines;
 - an in_progress batch whose shards are all terminal moves to finalizing; a finalizing or
   cancelling batch whose finalize holds no live lease is re-sent once its finalize (or cancel)
   wake-up is not waiting in the broker's cpu queue (the caller reads it: ``queued_batches``) and
@@ -28,7 +31,10 @@ from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from nightshift.jobs.batches.lifecycle import drain_shard, start_finalize_if_done
+from nightshift.jobs.batches.model_waits import MODEL_UNAVAILABLE, expired_waits, load_retry_at
 from nightshift.jobs.batches.models import Batch, BatchStatus, Shard, ShardStatus
+from nightshift.jobs.batches.openai_mapping import EMBEDDINGS
+from nightshift.jobs.engine_hosts.registry import CHAT, EMBEDDINGS as EMBEDDINGS_KIND
 from nightshift.settings import Settings
 
 
@@ -67,23 +73,34 @@ def reconcile(s: Session, settings: Settings, now: Optional[float] = None,
         if res.rowcount == 1:
             acts.run_shards.append(shard_id)
             acts.expired_leases += 1
-    # 2. pending shards whose wake-up is lost
+    # 2. shards that waited too long on a model no worker could load
+    for shard_id, notice in expired_waits(s, now, settings.max_shard_attempts, settings.model_unavailable_after_seconds):
+        drain_shard(s, shard_id, MODEL_UNAVAILABLE, now, notice)
+    # 3. pending shards whose wake-up is lost
     sent_before = stale if queued is None else now - settings.requeue_missing_after_seconds
-    for shard_id, attempt in s.execute(select(Shard.id, Shard.attempt).where(
-            Shard.status == ShardStatus.PENDING, func.coalesce(Shard.enqueued_at, 0) < sent_before,
-            Shard.batch_id.in_(live_batch))).all():
+    retry_at: dict[str, float | None] = {}
+    for shard_id, attempt, load_error, endpoint in s.execute(
+            select(Shard.id, Shard.attempt, Shard.load_error, Batch.endpoint).join(Batch, Batch.id == Shard.batch_id)
+            .where(Shard.status == ShardStatus.PENDING, func.coalesce(Shard.enqueued_at, 0) < sent_before,
+                   Batch.status == BatchStatus.IN_PROGRESS)).all():
         if queued is not None and shard_id in queued:
             continue
+        if load_error is not None:   # no live worker could load its model: wait for the next try
+            kind = EMBEDDINGS_KIND if endpoint == EMBEDDINGS else CHAT
+            if kind not in retry_at:
+                retry_at[kind] = load_retry_at(s, kind, now, settings.engine_host_stale_seconds)
+            if retry_at[kind] is not None and retry_at[kind] > now:
+                continue
         if attempt >= settings.max_shard_attempts:
             drain_shard(s, shard_id, "shard_failed", now)
             continue
         s.execute(update(Shard).where(Shard.id == shard_id).values(enqueued_at=now))
         acts.run_shards.append(shard_id)
-    # 3. batches with nothing left to run
+    # 4. batches with nothing left to run
     for (batch_id,) in s.execute(select(Batch.id).where(Batch.status == BatchStatus.IN_PROGRESS)).all():
         if start_finalize_if_done(s, batch_id, now):
             acts.finalize.append(batch_id)
-    # 4. lost finalize / cancel / ingest messages (a finalize holding a live lease is running)
+    # 5. lost finalize / cancel / ingest messages (a finalize holding a live lease is running)
     last_sent = func.coalesce(Batch.last_enqueued_at, Batch.created_at)
     no_live_finalize = or_(Batch.finalize_lease_expires_at.is_(None), Batch.finalize_lease_expires_at < now)
     for status, bucket in ((BatchStatus.FINALIZING, acts.finalize), (BatchStatus.CANCELLING, acts.cancel),
