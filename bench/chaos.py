@@ -13,8 +13,11 @@ one kind of fault at random points (``bench.chaos_faults``: kill an engine worke
 mid-shard, kill the cpu worker inside finalize, restart Redis, pause S3 mid-batch or during
 finalize, kill the API during a large upload); the kinds take turns in a seeded order. After
 each round: the batch is terminal, every custom_id is in its output or error file exactly once,
-its usage and cost report equal the sums of its lines, and no request row or shard of a finished
-batch is left live (``bench.invariants``).
+its usage and cost report equal the sums of its lines, no request row or shard of a finished
+batch is left live (``bench.invariants``) and no process of the cluster died. Postgres is the
+cluster's own (restartable); during its faults the API is polled: 503 with Retry-After while the
+database is away, 200 within 2 s of its return (the API table). A schedule due every minute
+runs beside the rounds: at the end, every due minute fired exactly once.
 
 Prints a line per round and, at the end, a table per fault kind (injected, missed, the time
 from the fault to the batch making progress again and to it being over) and the totals (lost,
@@ -36,7 +39,7 @@ from typing import Optional, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from bench.chaos_faults import KINDS, Chaos, RoundResult
+from bench.chaos_faults import KINDS, POSTGRES_KINDS, Chaos, RoundResult
 from bench.services import cluster
 from nightshift.jobs.batches.models import BatchStatus
 
@@ -47,6 +50,9 @@ MEASURED = {
     "s3_pause_batch": ("the batch's next result", "batch over"),
     "s3_pause_finalize": ("batch over", "batch over"),
     "api_restart_upload": ("API answering", "upload checked, sweep done"),
+    "postgres_restart": ("the batch's next result", "batch over"),
+    "postgres_outage": ("the batch's next result", "batch over"),
+    "postgres_restart_finalize": ("batch over", "batch over"),
 }
 
 
@@ -100,6 +106,22 @@ def totals(results: Sequence[RoundResult]) -> dict[str, int]:
         "upload problems": sum(len(r.problems) for r in results if r.kind == "api_restart_upload"),
         "rounds not finished": sum(r.check is None for r in results),
     }
+
+
+def api_table(results: Sequence[RoundResult]) -> Table:
+    """What the API answered during each Postgres fault."""
+    table = Table(title="The API during Postgres faults (polled every 0.1 s)")
+    for column in ("round", "fault", "answers while the database was away", "slowest", "200 again after"):
+        table.add_column(column)
+    for result in results:
+        for fault in result.faults:
+            if fault.kind not in POSTGRES_KINDS or "statuses" not in fault.facts:
+                continue
+            facts = fault.facts
+            answers = ", ".join(f"{n} x {status}" for status, n in sorted(facts["statuses"].items())) or "-"
+            back = "never" if facts["back_s"] is None else f"{facts['back_s']:.2f} s"
+            table.add_row(str(result.index + 1), fault.kind, answers, f"{facts['slowest_s']:.2f} s", back)
+    return table
 
 
 def totals_table(results: Sequence[RoundResult]) -> Table:
@@ -181,16 +203,23 @@ def main(argv: Optional[list[str]] = None) -> int:
                       upload_bytes=int(args.upload_mb * 2 ** 20))
         try:
             console.print(f"warm-up batch (every engine worker loads its engine): {chaos.warm_up():.1f}s")
+            chaos.start_schedule()
             for index, kind in enumerate(order):
                 result = chaos.run_round(index, kind)
                 results.append(result)
                 console.print(round_line(result, args.rounds), highlight=False)
+            schedule, schedule_problems = chaos.schedule_report()
         finally:
             chaos.close()
     console.print(f"\n{len(results)} rounds in {time.monotonic() - started:.0f}s")
     console.print(kind_table(results))
+    if any(f.kind in POSTGRES_KINDS for r in results for f in r.faults):
+        console.print(api_table(results))
     console.print(totals_table(results))
-    return 1 if failed(results) else 0
+    console.print(f"schedule due every minute: {schedule['runs']} runs for {schedule['due_minutes']} due minutes, "
+                  f"{schedule['duplicated']} fired twice, {schedule['missing']} never fired"
+                  + ("" if not schedule_problems else "  FAILED: " + "; ".join(schedule_problems)))
+    return 1 if failed(results) or schedule_problems else 0
 
 
 if __name__ == "__main__":

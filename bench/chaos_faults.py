@@ -20,6 +20,17 @@ Fault kinds (``KINDS``):
   file exists whole or not at all, and once the upkeep sweep has run (sent by the chaos, once
   what the upload left is older than ``abandoned_upload_seconds``) no multipart upload is left
   and no object under ``files/`` lacks its row.
+- ``postgres_restart``: a fast restart of the cluster's own Postgres mid-batch (every session
+  ended, the server back in about a second).
+- ``postgres_outage``: Postgres crashed mid-batch (an immediate stop: no shutdown checkpoint,
+  crash recovery at the start) and kept down ``Timings.postgres_down`` (20 s), then started.
+- ``postgres_restart_finalize``: a fast restart while the batch's finalize holds its lease
+  (pinned inside its writes by a paused S3, as for ``finalize_kill``).
+
+During every Postgres fault an ``ApiProbe`` polls the batch through the API: while the database
+is away the API must answer 503 with Retry-After (never 500, never slower than
+``Timings.api_answer_limit``), and 200 again within ``Timings.api_back_within`` of its return.
+After every round no process of the cluster has died (workers reconnect by themselves).
 
 Each fault records when it ended (the kill, Redis back up, S3 resumed) and, from then, how long
 until the batch made progress again and until it was over (for the API: until it answered
@@ -45,7 +56,8 @@ from nightshift.storage.db import session_scope
 from nightshift.storage.s3 import S3Store
 
 KINDS = ("engine_kill", "finalize_kill", "redis_restart", "s3_pause_batch", "s3_pause_finalize",
-         "api_restart_upload")
+         "api_restart_upload", "postgres_restart", "postgres_outage", "postgres_restart_finalize")
+POSTGRES_KINDS = ("postgres_restart", "postgres_outage", "postgres_restart_finalize")
 T = TypeVar("T")
 
 
@@ -61,6 +73,7 @@ class Fault:
     progress_s: Optional[float] = None     # from then until the batch made progress again
     done_s: Optional[float] = None         # from then until the batch was over (the upload checked)
     facts: dict = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)    # promises it broke (the API's, for Postgres faults)
 
 
 @dataclass
@@ -115,6 +128,9 @@ class Timings:
     batch_pause: tuple[float, float] = (2.0, 15.0)
     finalize_pause: tuple[float, float] = (2.0, 40.0)
     redis_down: tuple[float, float] = (0.0, 3.0)
+    postgres_down: tuple[float, float] = (20.0, 20.0)
+    api_answer_limit: float = 5.0       # while the database is away, an API answer takes at most this
+    api_back_within: float = 2.0        # and the first 200 comes this soon after it is back
     round_timeout: float = 600.0
 
 
@@ -162,8 +178,12 @@ class Chaos:
             for fault in faults:
                 if fault.done_s is None:
                     fault.done_s = ended - fault.at
+                problems += fault.problems
             check = check_batch(self.db, self.store, batch_id, ids)
             leftovers = database_leftovers(self.db)
+            dead = [name for name in ["api", *self.c.worker_names] if not self.c.alive(name)]
+            if dead:
+                problems.append(f"processes died and were not restarted: {dead}")
         except RoundTimeout as exc:
             problems.append(str(exc))
         finally:
@@ -190,8 +210,60 @@ class Chaos:
         created.raise_for_status()
         return created.json()["id"], [f"{tag}-{i}" for i in range(self.requests)]
 
+    # ---- a schedule beside the rounds ----------------------------------------------------
+    SCHEDULE_PREFIX = "chaos-docs/"
+
+    def start_schedule(self) -> str:
+        """A schedule due every minute (one document under a prefix: its first run makes a
+        batch, the later ones find nothing changed), so that ``schedule_report`` can tell whether
+        beat kept firing through the rounds' faults: each due time once, none lost."""
+        self.store.put_stream(self.SCHEDULE_PREFIX + "a.txt", b"The lighthouse keeper counts the ships.")
+        created = self.http.post("/schedules", json={
+            "name": "chaos-every-minute", "cron": "* * * * *", "timezone": "UTC",
+            "endpoint": "/v1/chat/completions", "model": "default",
+            "source": {"type": "prefix", "prefix": self.SCHEDULE_PREFIX}, "index_prefix": "chaos-index/",
+            "prompt_template": {"messages": [{"role": "user", "content": "Summarize: {{ document }}"}],
+                                "max_tokens": 4}})
+        created.raise_for_status()
+        self.schedule = (created.json()["id"], time.time())
+        return self.schedule[0]
+
+    def schedule_report(self) -> tuple[dict, list[str]]:
+        """(facts, broken promises) of the schedule started by ``start_schedule``: its runs by due
+        time, every due minute from its creation until a tick ago fired exactly once."""
+        from nightshift.jobs.schedules.models import ScheduleRun
+
+        schedule_id, created = self.schedule
+        settled = time.time() - self.settings.schedule_tick_seconds - 15
+        with session_scope(self.db) as s:
+            due = [row for row in s.scalars(select(ScheduleRun.due_at).where(ScheduleRun.schedule_id == schedule_id))]
+        counts: dict[int, int] = {}
+        for at in due:
+            counts[int(at)] = counts.get(int(at), 0) + 1
+        expected = list(range(int(created // 60 + 1) * 60, int(settled // 60) * 60 + 1, 60))
+        duplicated = sum(n - 1 for n in counts.values())
+        missing = [at for at in expected if at not in counts]
+        problems = []
+        if duplicated:
+            problems.append(f"schedule: {duplicated} due time(s) fired twice")
+        if missing:
+            problems.append(f"schedule: {len(missing)} due time(s) never fired: {missing}")
+        return {"runs": len(due), "due_minutes": len(expected), "duplicated": duplicated, "missing": len(missing)}, \
+            problems
+
     # ---- observing the batch -------------------------------------------------------------
     def state(self, batch_id: str) -> BatchState:
+        """The batch as the database has it (waits while the database itself is away)."""
+        return self.poll(lambda: self._state_or_none(batch_id), "the database to answer", interval=0.2)
+
+    def _state_or_none(self, batch_id: str) -> Optional[BatchState]:
+        from sqlalchemy.exc import OperationalError
+        try:
+            return self._read_state(batch_id)
+        except OperationalError:
+            return None
+
+    def _read_state(self, batch_id: str) -> BatchState:
         with session_scope(self.db) as s:
             batch = s.get(Batch, batch_id)
             shards = [ShardState(r.id, r.seq, r.status, r.lease_owner, r.completed_count + r.failed_count,
@@ -360,6 +432,58 @@ class Chaos:
         self._progress(batch_id, fault, lambda now: now.done > done)
         return [fault], 0
 
+    # ---- Postgres ----------------------------------------------------------------------------
+    def postgres_restart(self, batch_id: str) -> tuple[list[Fault], int]:
+        st = self._mid_batch(batch_id)
+        if st is None:
+            return [], 1
+        fault = self._postgres_fault(batch_id, "postgres_restart", lambda: self.c.postgres.restart(),
+                                     f"fast restart at {st.done}/{self.requests}", st.done)
+        return [fault], 0
+
+    def postgres_outage(self, batch_id: str) -> tuple[list[Fault], int]:
+        st = self._mid_batch(batch_id)
+        if st is None:
+            return [], 1
+        down = self.rng.uniform(*self.timings.postgres_down)
+        fault = self._postgres_fault(batch_id, "postgres_outage", lambda: self.c.postgres.outage(down),
+                                     f"crashed at {st.done}/{self.requests}, down {down:.0f}s", st.done)
+        return [fault], 0
+
+    def postgres_restart_finalize(self, batch_id: str) -> tuple[list[Fault], int]:
+        def restart_then_resume_s3() -> None:
+            self.c.postgres.restart()
+            self.c.s3.resume()
+
+        try:
+            if not self._pin_finalize(batch_id):
+                return [], 1
+            fault = self._postgres_fault(batch_id, "postgres_restart_finalize", restart_then_resume_s3,
+                                         "fast restart while finalize held its lease (S3 held paused)", None)
+        finally:
+            self.c.s3.resume()
+        return [fault], 0
+
+    def _postgres_fault(self, batch_id: str, kind: str, act: Callable[[], None], detail: str,
+                        done: Optional[int]) -> Fault:
+        """Run ``act`` (a restart or an outage) with the API probed before, during and after it;
+        then wait for the batch's next result (``done``: answered before the fault), or for it
+        to be over (None)."""
+        probe = ApiProbe(self.c.base_url, self.http.headers, f"/batches/{batch_id}").start()
+        try:
+            time.sleep(0.3)
+            down_at = time.monotonic()
+            act()
+            back_at = time.monotonic()
+            fault = Fault(kind, detail, back_at)
+            self._progress(batch_id, fault, (lambda now: now.done > done) if done is not None else (lambda now: False))
+            time.sleep(max(0.0, back_at + self.timings.api_back_within + 1.0 - time.monotonic()))
+        finally:
+            probe.stop()
+        fault.facts, fault.problems = probe.report(down_at, back_at, self.timings)
+        fault.detail += f"; API: {fault.facts['summary']}"
+        return fault
+
     def api_restart_upload(self, tag: str) -> tuple[Fault, list[str]]:
         """Kill the API during a large upload, start it again, then check the file is whole or
         absent and that the sweep leaves no multipart upload and no object without a row."""
@@ -437,6 +561,64 @@ class Chaos:
         if orphans:
             problems.append(f"objects without a file row: {orphans}")
         return problems
+
+
+class ApiProbe:
+    """Polls one API path every ``interval`` seconds in a thread, from ``start()`` to ``stop()``,
+    recording each answer: when it was sent (monotonic), how long it took, its status (or the
+    client error's class name) and its Retry-After header."""
+
+    def __init__(self, base_url: str, headers, path: str, interval: float = 0.1, timeout: float = 30.0):
+        self.client = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+        self.path, self.interval = path, interval
+        self.samples: list[tuple[float, float, object, Optional[str]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="api-probe")
+
+    def start(self) -> "ApiProbe":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            sent = time.monotonic()
+            try:
+                response = self.client.get(self.path)
+                status, retry_after = response.status_code, response.headers.get("retry-after")
+            except httpx.HTTPError as exc:
+                status, retry_after = type(exc).__name__, None
+            self.samples.append((sent, time.monotonic() - sent, status, retry_after))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        self.client.close()
+
+    def report(self, down_at: float, back_at: float, timings: Timings) -> tuple[dict, list[str]]:
+        """(facts, broken promises): the answers sent while the database was away (from
+        ``down_at`` to ``back_at``), the slowest of them, and how soon after ``back_at`` a 200 came."""
+        during = [s for s in self.samples if down_at <= s[0] < back_at]
+        statuses: dict[str, int] = {}
+        for _, _, status, _ in during:
+            statuses[str(status)] = statuses.get(str(status), 0) + 1
+        slowest = max((s[1] for s in during), default=0.0)
+        first_ok = next((s[0] + s[1] for s in self.samples if s[0] >= back_at and s[2] == 200), None)
+        back_s = None if first_ok is None else first_ok - back_at
+        problems = []
+        bad = {k: v for k, v in statuses.items() if k not in ("200", "503")}
+        if bad:
+            problems.append(f"the API answered {bad} while the database was away (expected 200 or 503)")
+        if any(s[2] == 503 and not s[3] for s in during):
+            problems.append("a 503 without Retry-After while the database was away")
+        if slowest > timings.api_answer_limit:
+            problems.append(f"an API answer took {slowest:.1f}s while the database was away")
+        if back_s is None or back_s > timings.api_back_within:
+            problems.append(f"no 200 within {timings.api_back_within:.0f}s of the database's return "
+                            f"({'none' if back_s is None else f'{back_s:.1f}s'})")
+        summary = (", ".join(f"{n}x {k}" for k, n in sorted(statuses.items())) or "no request while down") + \
+            f", slowest {slowest:.2f}s, 200 again {'never' if back_s is None else f'{back_s:.2f}s'} after"
+        return {"statuses": statuses, "slowest_s": slowest, "back_s": back_s, "summary": summary}, problems
 
 
 def chat_lines(n: int, max_tokens: int, tag: str) -> bytes:

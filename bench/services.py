@@ -5,10 +5,12 @@
   so it does not share the benchmark's GIL), uvicorn with two workers, one engine worker and
   one cpu worker with beat: the production shape on one machine.
 
-For fault injection (``bench.chaos``, ``tests/service/test_faults.py``): ``RedisServer`` (a
-redis-server of its own, restartable, nothing persisted), ``MotoServer`` (moto in its own
-process, pausable with SIGSTOP/SIGCONT) and ``cluster()``, the production shape with every
-process (API, engine workers, cpu worker, upkeep worker + beat) killable and restartable.
+For fault injection (``bench.chaos``, ``tests/service/test_faults.py``): ``PostgresServer`` (a
+Postgres cluster of its own, initdb + pg_ctl on a temporary folder and a free port, restartable
+and stoppable; the machine's own server is never touched), ``RedisServer`` (a redis-server of its
+own, restartable, nothing persisted), ``MotoServer`` (moto in its own process, pausable with
+SIGSTOP/SIGCONT) and ``cluster()``, the production shape on those three with every process (API,
+engine workers, cpu worker, upkeep worker + beat) killable and restartable.
 """
 from __future__ import annotations
 
@@ -176,6 +178,101 @@ def running_service(shape: str, *, api_workers: int = 2, **settings: object) -> 
 
 # ---- restartable pieces, for fault injection -------------------------------------------------
 
+def postgres_bin() -> Path:
+    """The folder of the installed Postgres server's programs (initdb, pg_ctl): pg_config's, else
+    the newest of /usr/lib/postgresql/*/bin."""
+    found = shutil.which("pg_config")
+    if found:
+        result = subprocess.run([found, "--bindir"], capture_output=True, text=True)
+        folder = Path(result.stdout.strip())
+        if result.returncode == 0 and (folder / "pg_ctl").exists():
+            return folder
+    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name)
+                        if p.parent.name.isdigit() else 0)
+    if not candidates:
+        raise RuntimeError("no Postgres server programs (initdb, pg_ctl) found")
+    return candidates[-1]
+
+
+class PostgresServer:
+    """A Postgres cluster of our own: ``initdb`` into a new temporary folder, ``pg_ctl`` on a free
+    port (TCP on 127.0.0.1, its socket in that folder), trust authentication, user ``postgres``.
+    Faults: ``restart()`` (``pg_ctl restart -m fast``: sessions are ended, the server is back in
+    a second or so), ``outage(seconds)`` (``pg_ctl stop -m immediate``, a crash: no shutdown
+    checkpoint, crash recovery at the next start; down for ``seconds``). As root (initdb refuses
+    to run as root) the programs run as the ``postgres`` system user, which owns the folder."""
+
+    def __init__(self, port: Optional[int] = None):
+        self.port = port or free_port()
+        self.folder = Path(tempfile.mkdtemp(prefix="nightshift-pg-"))
+        self.data = self.folder / "data"
+        self.log_path = self.folder / "postgres.log"
+        self.bin = postgres_bin()
+        self.starts = 0
+        self._as_postgres = os.geteuid() == 0
+        if self._as_postgres:
+            shutil.chown(self.folder, "postgres", "postgres")
+
+    def _run(self, program: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        argv = [str(self.bin / program), *args]
+        if self._as_postgres:
+            argv = ["runuser", "-u", "postgres", "--", *argv]
+        result = subprocess.run(argv, capture_output=True, text=True, cwd=self.folder)
+        if check and result.returncode:
+            raise RuntimeError(f"{program} {' '.join(args)} failed ({result.returncode}):\n{result.stdout}"
+                               f"{result.stderr}\n{self.log_tail()}")
+        return result
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def admin_url(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def init(self) -> "PostgresServer":
+        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
+        with open(self.data / "postgresql.conf", "a") as conf:
+            conf.write(f"\nlisten_addresses = '127.0.0.1'\nport = {self.port}\n"
+                       f"unix_socket_directories = '{self.folder}'\nmax_connections = 200\n")
+        return self.start()
+
+    def start(self, timeout: float = 60.0) -> "PostgresServer":
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log_path), "-w", "-t", str(int(timeout)), "start")
+        self.starts += 1
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop", check=False)
+
+    def running(self) -> bool:
+        return self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode == 0
+
+    def restart(self) -> None:
+        """A fast restart: open sessions are ended, the server is back as soon as it has started."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-l", str(self.log_path), "-w", "restart")
+        self.starts += 1
+
+    def outage(self, seconds: float) -> None:
+        """Crash it (immediate stop), stay down ``seconds``, start it again (crash recovery)."""
+        self.stop("immediate")
+        time.sleep(seconds)
+        self.start()
+
+    def remove(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def private_postgres() -> Iterator[PostgresServer]:
+    """A ``PostgresServer``, started; removed afterwards."""
+    server = PostgresServer().init()
+    try:
+        yield server
+    finally:
+        server.remove()
+
+
 class RedisServer:
     """A redis-server of our own on a free port, with no persistence (``--save "" --appendonly
     no``): a restart comes back empty, every queued or unacknowledged message lost, as a broker
@@ -285,8 +382,8 @@ WORKER_QUEUES = {"cpu": "cpu", "upkeep": "upkeep"}   # engine workers ("engine1"
 
 @dataclass
 class Cluster:
-    """The production shape on one machine with every process restartable: a new Postgres
-    database, a redis-server of its own, moto in its own process, uvicorn (the API), engine
+    """The production shape on one machine with every process restartable: a Postgres cluster of
+    its own (``postgres``, restartable), a redis-server of its own, moto in its own process, uvicorn (the API), engine
     workers ``engine1..N`` (queue gpu, -c 1, nice 10, ``engine_threads`` torch threads each), a
     ``cpu`` worker and an ``upkeep`` worker with beat. Each process is its own process group
     (``kill`` SIGKILLs a worker with its pool child, uvicorn with its workers); ``start``
@@ -300,6 +397,7 @@ class Cluster:
     bucket: str
     api_port: int
     api_key: str
+    postgres: Optional[PostgresServer] = None
     api_workers: int = 2
     engine_workers: int = 2
     engine_threads: Optional[int] = None
@@ -433,14 +531,17 @@ def cluster(work: Optional[Path] = None, *, engine_workers: int = 2, api_workers
     """``Cluster``, started and ready; stopped afterwards. ``work`` holds the logs (a temporary
     folder, removed afterwards unless ``keep_work``); ``settings`` become NIGHTSHIFT_* variables
     of every process; ``engine_threads`` sets OMP_NUM_THREADS of the engine workers (engine
-    workers sharing one machine's cores would otherwise each start a thread per core)."""
+    workers sharing one machine's cores would otherwise each start a thread per core). The
+    database is on a Postgres cluster of the cluster's own (``private_postgres``), so that faults
+    can restart it."""
     made = work is None
     work = Path(tempfile.mkdtemp(prefix="nightshift-cluster-")) if made else Path(work)
     work.mkdir(parents=True, exist_ok=True)
     key = "ns-bench-" + uuid.uuid4().hex
     try:
         with contextlib.ExitStack() as stack:
-            database_url = stack.enter_context(postgres_database())
+            postgres = stack.enter_context(private_postgres())
+            database_url = stack.enter_context(postgres_database(postgres.admin_url()))
             redis_server = RedisServer(work).start()
             stack.callback(redis_server.stop)
             s3 = MotoServer(work)
@@ -456,7 +557,7 @@ def cluster(work: Optional[Path] = None, *, engine_workers: int = 2, api_workers
                                      capture_output=True, text=True)
             if migrate.returncode:
                 raise RuntimeError(f"nightshift migrate failed:\n{migrate.stdout}{migrate.stderr}")
-            running = Cluster(work, env, database_url, redis_server, s3, bucket, free_port(), key,
+            running = Cluster(work, env, database_url, redis_server, s3, bucket, free_port(), key, postgres,
                               api_workers=api_workers, engine_workers=engine_workers, engine_threads=engine_threads)
             stack.callback(running.stop)
             for name in ["api", *running.worker_names]:

@@ -13,6 +13,14 @@ and no overflow). A request that cannot get a slot within ``api_queue_seconds`` 
 503 with ``Retry-After`` (the openai client retries it) instead of queueing without bound;
 the slots come back as soon as the burst ends.
 
+Database away (a restart, an outage, a failover): work whose connection cannot be opened or
+is lost is answered 503 with ``Retry-After`` (``DatabaseUnavailable``), as fast as the driver
+fails: a refused connection (a server stopped or restarting) at once; a server that accepts
+nothing (a host gone from the network, a stalled postmaster) after ``db_connect_timeout_seconds``
+(libpq's ``connect_timeout``, and ``tcp_user_timeout`` for a connection whose data goes
+unacknowledged), never after TCP's minutes. Nothing the work did was committed. The first
+request after the database is back gets a fresh connection.
+
 Round trips (Postgres): the API's pool has no pre-ping (a ``SELECT 1`` before every unit of
 work). A connection that a database restart closed fails its first statement instead; nothing
 was committed then, so the unit of work runs once more on a fresh connection (SQLAlchemy
@@ -23,11 +31,12 @@ batch is three round trips: the key, the batch, its progress.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, TypeVar
 
 import anyio
 import anyio.to_thread
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from nightshift.settings import Settings
@@ -45,6 +54,22 @@ class Overloaded(Exception):
         self.retry_after_seconds = retry_after_seconds
 
 
+class DatabaseUnavailable(Exception):
+    """The database could not be reached, or the connection was lost mid-work (the API answers 503)."""
+
+    def __init__(self, retry_after_seconds: int, reason: str):
+        super().__init__("The database is unavailable; retry after a short wait.")
+        self.retry_after_seconds = retry_after_seconds
+        self.reason = reason
+
+
+def database_away(exc: BaseException) -> bool:
+    """Whether a database error means the server is away (refused, closed, shutting down or
+    starting up), not that the work was wrong."""
+    return isinstance(exc, (OperationalError, InterfaceError)) or (
+        isinstance(exc, DBAPIError) and exc.connection_invalidated)
+
+
 class _ClosedConnection(Exception):
     """The work's connection turned out closed before anything was committed."""
 
@@ -59,11 +84,13 @@ class RequestDatabase:
         self.retry_after_seconds = settings.api_retry_after_seconds
         self._admission = anyio.Semaphore(self.slots)
         self._threads = anyio.CapacityLimiter(self.slots)
-        self.engine = make_engine(self.url, self.slots, settings.db_pool_timeout_seconds, pre_ping=False)
+        self.engine = make_engine(self.url, self.slots, settings.db_pool_timeout_seconds, pre_ping=False,
+                                  connect_timeout=settings.db_connect_timeout_seconds)
         read_options = {READ_ONLY: True}
         if self.engine.dialect.name == "postgresql":
             read_options["isolation_level"] = "AUTOCOMMIT"
         self._binds = {False: self.engine, True: self.engine.execution_options(**read_options)}
+        self._unavailable_logged_at = -1e9
 
     def close(self) -> None:
         self.engine.dispose()
@@ -81,8 +108,21 @@ class RequestDatabase:
         try:
             # Not abandoned on cancellation: the slot is released only when the thread is done.
             return await anyio.to_thread.run_sync(self._in_session, work, read_only, limiter=self._threads)
+        except DBAPIError as exc:
+            if database_away(exc):
+                self._note_unavailable(exc)
+                raise DatabaseUnavailable(self.retry_after_seconds, type(exc.orig or exc).__name__) from exc
+            raise
         finally:
             self._admission.release()
+
+    def _note_unavailable(self, exc: DBAPIError) -> None:
+        """One warning per outage (then at most one a minute), not one per request."""
+        now = time.monotonic()
+        if now - self._unavailable_logged_at >= 60:
+            self._unavailable_logged_at = now
+            reason = str(exc.orig or exc).strip().splitlines()
+            log.warning("database unavailable, answering 503 with Retry-After: %s", reason[0] if reason else exc)
 
     def _in_session(self, work: Callable[[Session], T], read_only: bool) -> T:
         try:

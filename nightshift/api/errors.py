@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sqlalchemy.exc import DataError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from nightshift.api.database import Overloaded
+from nightshift.api.database import DatabaseUnavailable, Overloaded
 from nightshift.jobs.errors import Conflict, InvalidInput, NotFound
 from nightshift.jobs.storable import unstorable_text, unstorable_value
 
@@ -139,6 +139,11 @@ async def _overloaded(_: Request, exc: Overloaded) -> JSONResponse:
                           headers={"retry-after": str(exc.retry_after_seconds)})
 
 
+async def _database_unavailable(_: Request, exc: DatabaseUnavailable) -> JSONResponse:
+    return error_response(503, str(exc), code="service_unavailable", type="server_error",
+                          headers={"retry-after": str(exc.retry_after_seconds)})
+
+
 async def _pool_timeout(_: Request, exc: PoolTimeout) -> JSONResponse:
     # Admission keeps pool checkouts within the pool's size, so this is rare (a database slow
     # to open connections); it is a busy server, not a broken request: retryable.
@@ -202,6 +207,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Overloaded, _overloaded)
+    app.add_exception_handler(DatabaseUnavailable, _database_unavailable)
     app.add_exception_handler(PoolTimeout, _pool_timeout)
     app.add_exception_handler(DataError, _data_error)
     app.add_exception_handler(Exception, _unexpected_error)

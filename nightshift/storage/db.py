@@ -11,6 +11,7 @@ admits that many units of work at once (api/database.py), and workers use a few 
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 from contextlib import contextmanager
@@ -32,11 +33,16 @@ JSON_CODEC = {"json_serializer": lambda value: orjson.dumps(value, option=orjson
               "json_deserializer": orjson.loads}
 
 
-def make_engine(url: str, pool_size: int = 8, pool_timeout: float = 10.0, pre_ping: bool = True) -> Engine:
+def make_engine(url: str, pool_size: int = 8, pool_timeout: float = 10.0, pre_ping: bool = True,
+                connect_timeout: Optional[float] = None) -> Engine:
     """An engine with a pool of ``pool_size`` connections and no overflow. ``pre_ping`` (Postgres):
     each checkout first tests its connection with a round trip, so that one closed by a server
     restart is replaced before use; the API turns it off and runs its work again instead when a
-    connection is found closed (api/database.py)."""
+    connection is found closed (api/database.py). ``connect_timeout`` (Postgres, seconds; libpq
+    takes whole seconds, at least 2): opening a connection gives up after that long, and so does
+    a connection whose sent data the server has not acknowledged for that long (libpq's
+    ``tcp_user_timeout``: a host gone from the network), instead of waiting for TCP to give up
+    (minutes); None: libpq's defaults (no limit)."""
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
@@ -60,8 +66,12 @@ def make_engine(url: str, pool_size: int = 8, pool_timeout: float = 10.0, pre_pi
             conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
         return engine
+    connect_args = {}
+    if connect_timeout:
+        connect_args = {"connect_timeout": max(2, math.ceil(connect_timeout)),
+                        "tcp_user_timeout": max(1000, round(connect_timeout * 1000))}
     return create_engine(url, pool_pre_ping=pre_ping, pool_size=pool_size, max_overflow=0, pool_timeout=pool_timeout,
-                         **JSON_CODEC)
+                         connect_args=connect_args, **JSON_CODEC)
 
 
 def get_engine(url: Optional[str] = None) -> Engine:

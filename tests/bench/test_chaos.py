@@ -101,9 +101,10 @@ def test_count_ids():
 
 
 def test_every_kind_comes_once_before_any_comes_twice():
-    order = chaos.kind_order(15, random.Random(5), KINDS)
-    assert len(order) == 15 and sorted(order[:6]) == sorted(KINDS) and sorted(order[6:12]) == sorted(KINDS)
-    assert order != chaos.kind_order(15, random.Random(6), KINDS)
+    k = len(KINDS)
+    order = chaos.kind_order(2 * k + 3, random.Random(5), KINDS)
+    assert len(order) == 2 * k + 3 and sorted(order[:k]) == sorted(KINDS) and sorted(order[k:2 * k]) == sorted(KINDS)
+    assert order != chaos.kind_order(2 * k + 3, random.Random(6), KINDS)
 
 
 def test_chat_lines_spread_their_lengths():

@@ -1,11 +1,12 @@
-"""The promises under faults, on the production shape with real processes: Postgres, a
-redis-server of the test's own, moto's S3 server in its own process, uvicorn, two engine workers
+"""The promises under faults, on the production shape with real processes: a Postgres cluster
+and a redis-server of the test's own, moto's S3 server in its own process, uvicorn, two engine workers
 with the real default model, a cpu worker and an upkeep worker with beat (``bench.services.cluster``).
 One test per fault kind of ``bench.chaos``, each a round of it: a batch through the API, the fault
 injected into it, then every promise checked (``bench.invariants``): the batch terminal, every
 custom_id exactly once across its output and error files, usage and cost report equal to the sums
-of the lines, no request row or shard of a finished batch left live. Leases, reconcile and S3
-timeouts are short here so that each recovery takes seconds."""
+of the lines, no request row or shard of a finished batch left live, no process dead; during a
+Postgres restart the API answers 503 with Retry-After (never 500) and 200 within 2 s of its
+return. Leases, reconcile and S3 timeouts are short here so that each recovery takes seconds."""
 from __future__ import annotations
 
 import random
@@ -80,6 +81,13 @@ def test_s3_paused_during_finalize_longer_than_its_timeouts(chaos):
     (fault,) = run(chaos, "s3_pause_finalize").faults
     assert failed_finalizes(chaos) > failed_before      # its S3 calls timed out; the reconciler sent it again
     assert fault.done_s < 30, fault
+
+
+def test_postgres_restarted_mid_batch(chaos):
+    (fault,) = run(chaos, "postgres_restart").faults
+    statuses = fault.facts["statuses"]
+    assert set(statuses) <= {"200", "503"} and fault.facts["back_s"] <= 2.0, fault
+    assert fault.progress_s < 30, fault
 
 
 def failed_finalizes(chaos: Chaos) -> int:
