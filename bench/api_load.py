@@ -12,6 +12,12 @@ several processes so the load generator is not the bottleneck. Prints, per kind 
 count, requests/s, p50/p95/p99/max latency, 503s (with Retry-After) and errors (anything
 else: timeouts, dropped connections, other statuses). Then the time from uploading a
 ``--big-file-lines`` file to its batch being ``in_progress``.
+
+``--hammer N``: instead, one key hammers ``GET /v1/batches/{id}`` back to back over N
+connections while another key (another project) polls its own batch from ``--polite-clients``
+clients once a second each; prints the polite key's latencies and errors (target: p99 < 50 ms,
+0 errors) and what the hammering key got (200, 429 from its rate limit, 503 from its cap on
+requests in flight).
 """
 from __future__ import annotations
 
@@ -292,7 +298,83 @@ def report(samples: Samples, seconds: float) -> str:
     return "\n".join(rows)
 
 
+async def _hammer(base_url: str, key: str, batch_id: str, connections: int, seconds: float) -> dict[str, int]:
+    """``connections`` clients requesting back to back, each answer counted by status."""
+    statuses: dict[str, int] = {}
+    async with _session(key, connections) as http:
+        async def client() -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                try:
+                    async with http.get(f"{base_url}/batches/{batch_id}") as response:
+                        await response.read()
+                        outcome = str(response.status)
+                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                    outcome = type(exc).__name__
+                statuses[outcome] = statuses.get(outcome, 0) + 1
+
+        await asyncio.gather(*(client() for _ in range(connections)))
+    return statuses
+
+
+def _hammer_process(args: tuple) -> dict[str, int]:
+    return asyncio.run(_hammer(*args))
+
+
+def _new_key(service, project: str) -> str:  # noqa: ANN001 - a RunningService
+    from nightshift.jobs.projects.api_keys import create_key
+    from nightshift.storage.db import session_scope
+
+    url = service.database_url or f"sqlite:///{(service.home / 'nightshift.db').resolve()}"
+    with session_scope(url) as s:
+        return create_key(s, project)[1]
+
+
+def hammer_run(args: argparse.Namespace) -> Samples:
+    """One key hammering, another polling politely (module docstring)."""
+    with running_service(args.shape) as service:
+        hammer_http = httpx.Client(base_url=service.base_url, timeout=600,
+                                   headers={"Authorization": f"Bearer {service.api_key}"})
+        polite_key = _new_key(service, "polite")
+        polite_http = httpx.Client(base_url=service.base_url, timeout=600,
+                                   headers={"Authorization": f"Bearer {polite_key}"})
+        hammered = _create_batch(hammer_http, request_lines(4, 8), "hammered.jsonl")
+        polled = _create_batch(polite_http, request_lines(4, 8), "polled.jsonl")
+        for http, batch_id in ((hammer_http, hammered), (polite_http, polled)):   # polled, not run
+            http.post(f"/batches/{batch_id}/cancel").raise_for_status()
+        print(f"service: {args.shape} at {service.base_url}; one key hammers with {args.hammer} connections, "
+              f"another polls from {args.polite_clients} clients once a second, for {args.seconds:.0f}s", flush=True)
+        processes = max(1, min(args.processes, args.hammer))
+        shares = [args.hammer // processes + (i < args.hammer % processes) for i in range(processes)]
+        cpu_before = cpu_by_role()
+        started = time.perf_counter()
+        with concurrent.futures.ProcessPoolExecutor(processes + 1) as pool:
+            polite = pool.submit(_poll_process, (service.base_url, polite_key, polled, args.polite_clients,
+                                                 args.seconds, 1.0, 0))
+            hammers = [pool.submit(_hammer_process, (service.base_url, service.api_key, hammered, n, args.seconds))
+                       for n in shares]
+            samples = polite.result()
+            statuses: dict[str, int] = {}
+            for hammer in hammers:
+                for outcome, n in hammer.result().items():
+                    statuses[outcome] = statuses.get(outcome, 0) + n
+        elapsed = time.perf_counter() - started
+        cpu_after = cpu_by_role()
+        print(report(samples, elapsed))
+        latencies = [x for values in samples.latencies.values() for x in values]
+        errors = sum(sum(b.values()) for b in samples.errors.values()) + sum(samples.overloaded.values())
+        print(f"target: the polite key 0 errors, p99 < 50 ms -> {errors} errors or 503s, p99 {_ms(latencies, .99):.1f} ms "
+              f"over {len(latencies)} polls")
+        answered = sum(statuses.values())
+        print(f"the hammering key: {answered} answers ({answered / elapsed:.0f}/s): "
+              + ", ".join(f"{n} x {k}" for k, n in sorted(statuses.items())))
+        print(cpu_line(cpu_before, cpu_after, elapsed))
+        return samples
+
+
 def run(args: argparse.Namespace) -> Samples:
+    if args.hammer:
+        return hammer_run(args)
     with running_service(args.shape) as service:
         http = httpx.Client(base_url=service.base_url, headers={"Authorization": f"Bearer {service.api_key}"},
                             timeout=600)
@@ -369,6 +451,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-requests", type=int, default=256, help="0: no batch runs during the load")
     parser.add_argument("--processes", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="load-generator processes")
+    parser.add_argument("--hammer", type=int, default=0,
+                        help="connections of one key requesting back to back, beside a polite key (0: off)")
+    parser.add_argument("--polite-clients", type=int, default=10, help="--hammer: the polite key's clients")
     run(parser.parse_args(argv))
 
 

@@ -16,6 +16,7 @@ from nightshift.api.database import RequestDatabase
 from nightshift.api.deps import DatabaseDep
 from nightshift.api.errors import error_response, install_error_handlers, refuse_unstorable_input
 from nightshift.api.metrics import RequestMetrics, metrics_body, metrics_response, queue_depths, service_state
+from nightshift.api.rate_limits import KeyProjects, RateLimits
 from nightshift.api.routes import batches, costs, files, schedules, webhooks
 from nightshift.jobs.projects.api_keys import ensure_key
 from nightshift.settings import get_settings
@@ -81,7 +82,9 @@ def create_app() -> FastAPI:
                   description="Self-hosted, OpenAI-compatible batch inference (/v1/files, /v1/batches).",
                   dependencies=[Depends(refuse_unstorable_input)])   # NUL in ids, queries, bodies: 404/400
     install_error_handlers(app)
+    app.state.key_projects = KeyProjects()
     app.add_middleware(UploadGate)
+    app.add_middleware(RateLimits, settings=get_settings(), key_projects=app.state.key_projects)
     app.add_middleware(RequestMetrics)
     app.include_router(files.router)
     app.include_router(batches.router)

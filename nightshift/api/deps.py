@@ -5,13 +5,14 @@ work passed to ``Caller.run`` opens and closes its own session in one thread (ap
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Callable, TypeVar
+from typing import Annotated, Callable, Optional, TypeVar
 
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
 
 from nightshift.api.database import RequestDatabase
 from nightshift.api.errors import APIError
+from nightshift.api.rate_limits import KeyProjects, key_hash
 from nightshift.jobs.projects.api_keys import project_for_key
 from nightshift.settings import Settings, get_settings
 from nightshift.storage.objectstore import ObjectStore, get_object_store
@@ -52,6 +53,7 @@ class Caller:
 
     key: str
     database: RequestDatabase
+    key_projects: Optional[KeyProjects] = None   # told each key's project (for the rate limits)
 
     async def run(self, work: Callable[[Session, str], T], *, read_only: bool = False) -> T:
         return await self.database.run(lambda session: work(session, self._project(session)), read_only=read_only)
@@ -63,6 +65,8 @@ class Caller:
         project_id = project_for_key(session, self.key)
         if project_id is None:
             raise APIError(401, f"Incorrect API key provided: {_masked(self.key)}.", code="invalid_api_key")
+        if self.key_projects is not None:
+            self.key_projects.remember(key_hash(self.key), project_id)
         return project_id
 
 
@@ -73,7 +77,7 @@ async def _caller(request: Request, database: DatabaseDep) -> Caller:
     if scheme.lower() != "bearer" or not key:
         raise APIError(401, "You didn't provide an API key. You need to provide your API key in an "
                             "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
-    return Caller(key, database)
+    return Caller(key, database, getattr(request.app.state, "key_projects", None))
 
 
 CallerDep = Annotated[Caller, Depends(_caller)]

@@ -31,7 +31,7 @@ def test_server_latency_line_reads_the_window_from_histogram_buckets():
 def test_small_run_against_embedded_service(capsys):
     samples = api_load.run(api_load.argparse.Namespace(
         shape="embedded", clients=6, seconds=2.0, interval=0.1, uploads=2, upload_lines=10, big_file_lines=200,
-        batch_requests=0, processes=2,
+        batch_requests=0, processes=2, hammer=0, polite_clients=0,
         slow_readers=2, reader_kbps=100, reader_file_mb=0.5))
     out = capsys.readouterr().out
     assert samples.errors == {}

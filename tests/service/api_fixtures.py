@@ -138,18 +138,20 @@ def project_client(service, name: Optional[str] = None):  # noqa: ANN001, ANN201
 
 
 @contextlib.contextmanager
-def production_pipeline(pg_url: str, s3_server: str, tmp_path: Path, redis_db: int, project_prefix: str):
+def production_pipeline(pg_url: str, s3_server: str, tmp_path: Path, redis_db: int, project_prefix: str,
+                        **settings: object):
     """The production shape for end-to-end tests: the HTTP API, a cpu worker with beat and a gpu
     worker on Redis database ``redis_db`` (emptied before and after), Postgres and a new moto
-    bucket; yields (service, an openai client holding the bootstrap key)."""
+    bucket; yields (service, an openai client holding the bootstrap key). ``settings``: more
+    NIGHTSHIFT_* values for every process."""
     import redis
 
     broker = f"redis://127.0.0.1:6379/{redis_db}"
     redis.Redis.from_url(broker).flushdb()
     key = "ns-e2e-" + uuid.uuid4().hex
     env = service_env(tmp_path, database_url=pg_url, broker_url=broker, bootstrap_key=key,
-                      bootstrap_project=f"{project_prefix}-{uuid.uuid4().hex[:8]}", reconcile_interval_seconds=2,
-                      **s3_env(s3_server, new_bucket(s3_server)))
+                      bootstrap_project=f"{project_prefix}-{uuid.uuid4().hex[:8]}",
+                      **{"reconcile_interval_seconds": 2, **settings}, **s3_env(s3_server, new_bucket(s3_server)))
     service = Service(env, tmp_path)
     try:
         base_url = service.start_api(free_port())

@@ -63,7 +63,10 @@ def timed_gets(base_url: str, key: str, n: int) -> list[float]:
 
 def test_forty_slow_readers_hold_no_connection_and_other_requests_stay_fast(pg_db, s3_server, tmp_path):
     bucket = new_bucket(s3_server)
-    service = Service(service_env(tmp_path, database_url=pg_db, db_pool_size=4, **s3_env(s3_server, bucket)), tmp_path)
+    # 40 requests of one key arrive at once: above the per-key cap on requests in progress
+    # (api_key_inflight, tested in test_rate_limits.py), raised here so that all 40 get in
+    service = Service(service_env(tmp_path, database_url=pg_db, db_pool_size=4, api_key_inflight=64,
+                                  **s3_env(s3_server, bucket)), tmp_path)
     try:
         base_url = start_api(service)
         key = make_key(pg_db, "readers")
