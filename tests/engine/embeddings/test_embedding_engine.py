@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from bench.embedding_texts import embedding_texts
+from nightshift.engine.cpu_features import cpu_has_native_bf16
 from nightshift.engine.embeddings import EmbeddingEngine, EmbeddingRequest
 from nightshift.engine.embeddings.batching import plan_steps
 from nightshift.engine.embeddings.bert import EncoderConfig, build_encoder
@@ -25,7 +27,9 @@ TEXTS = HAND_WRITTEN + embedding_texts(64 - len(HAND_WRITTEN), seed=7)
 
 @pytest.fixture(scope="module")
 def engine() -> EmbeddingEngine:
-    return EmbeddingEngine.from_pretrained("default", max_batch_tokens=1024)
+    # float32 whatever the CPU: these tests compare vectors to 1e-5 (the default on a CPU with
+    # AMX is bfloat16: test_the_default_dtype_on_this_cpu_matches_sentence_transformers)
+    return EmbeddingEngine.from_pretrained("default", dtype="float32", max_batch_tokens=1024)
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +61,20 @@ def test_cosine_against_sentence_transformers_on_64_texts(engine, reference):
     steps = after.num_steps - before.num_steps
     assert steps == len(plan_steps(lengths, 1024, engine.config.max_batch_seqs)) and steps < 20
     assert after.truncated_inputs - before.truncated_inputs == sum(1 for n in lengths if n == 256)
+
+
+def test_the_default_dtype_on_this_cpu_matches_sentence_transformers(reference):
+    """bfloat16 where the CPU has AMX bf16 tiles, float32 elsewhere (engine_config.resolve_dtype):
+    either way the vectors agree with sentence-transformers' float32 ones, and a vector does not
+    move with the batch around it beyond the dtype's rounding."""
+    default = EmbeddingEngine.from_pretrained("default", max_batch_tokens=1024)
+    assert default.encoder.dtype == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    ours = default.embed(TEXTS)
+    cosine = (ours * reference).sum(1) / np.linalg.norm(ours, axis=1) / np.linalg.norm(reference, axis=1)
+    assert cosine.min() >= 0.999, [(TEXTS[i][:40], float(cosine[i])) for i in np.argsort(cosine)[:3]]
+    alone = default.embed(TEXTS[:3])
+    tolerance = 2e-2 if default.encoder.dtype == torch.bfloat16 else 2e-5
+    np.testing.assert_allclose(alone, ours[:3], atol=tolerance)
 
 
 @pytest.mark.parametrize("pack", [False, True], ids=["F.linear", "onednn-packed"])
