@@ -31,7 +31,9 @@ def chaos(tmp_path_factory):
     with cluster(tmp_path_factory.mktemp("cluster"), engine_threads=1, **SETTINGS) as running:
         # a finalize stall (12 s) longer than its S3 calls may take: 2 attempts, each waiting up to
         # 2 s for "100 Continue" and 2 s for the answer, plus back-off
-        harness = Chaos(running, random.Random(13), requests=12, max_tokens=12, upload_bytes=12 * 2 ** 20,
+        # 48 tokens at most: a batch lasts a few seconds even on a fast CPU, so a mid-batch fault
+        # finds it in progress (with 12, an AMX box finished it in 1.2 s, before the fault landed)
+        harness = Chaos(running, random.Random(13), requests=12, max_tokens=48, upload_bytes=12 * 2 ** 20,
                         timings=Timings(batch_pause=(1.0, 3.0), finalize_pause=(12.0, 12.0), redis_down=(0.5, 1.5),
                                         round_timeout=120))
         try:
