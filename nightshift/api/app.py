@@ -34,6 +34,7 @@ async def _lifespan(app: FastAPI):  # noqa: ANN202
             ensure_key(session, settings.bootstrap_project, settings.bootstrap_key)
     get_object_store(settings)   # an unreachable or missing bucket stops the start, with the reason
     app.state.database = RequestDatabase(settings)
+    app.state.database.open_connections()
     # What start-up built (modules, the S3 client's service model, the ORM's mappers) lives as
     # long as the process: out of the collector's sight, a full collection no longer walks it
     # and stalls every request in the worker meanwhile (60-230 ms each, measured under load).

@@ -9,7 +9,8 @@ one call that never waits on the thread pool, so a connection is always returned
 
 Admission: at most ``db_pool_size`` units of work run at once per process, on their own
 thread limiter, so they never wait for a pool connection (the pool has exactly that many
-and no overflow). A request that cannot get a slot within ``api_queue_seconds`` is answered
+and no overflow). Waiting units queue per API key and a freed slot goes to the keys in turn
+(api/fair_slots.py), so one key's pile of requests does not delay another key's. A request that cannot get a slot within ``api_queue_seconds`` is answered
 503 with ``Retry-After`` (the openai client retries it) instead of queueing without bound;
 the slots come back as soon as the burst ends.
 
@@ -39,6 +40,7 @@ import anyio.to_thread
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
+from nightshift.api.fair_slots import REQUEST_KEY, FairSlots
 from nightshift.settings import Settings
 from nightshift.storage.db import READ_ONLY, make_engine
 
@@ -82,7 +84,7 @@ class RequestDatabase:
         self.slots = settings.db_pool_size
         self.queue_seconds = settings.api_queue_seconds
         self.retry_after_seconds = settings.api_retry_after_seconds
-        self._admission = anyio.Semaphore(self.slots)
+        self._admission = FairSlots(self.slots)
         self._threads = anyio.CapacityLimiter(self.slots)
         self.engine = make_engine(self.url, self.slots, settings.db_pool_timeout_seconds, pre_ping=False,
                                   connect_timeout=settings.db_connect_timeout_seconds)
@@ -95,13 +97,31 @@ class RequestDatabase:
     def close(self) -> None:
         self.engine.dispose()
 
+    def open_connections(self) -> None:
+        """Open the pool's connections at start (Postgres), so that the first burst of requests
+        does not open them all at once: a Postgres connection costs the server a process start,
+        and with eight at once another key's poll waited 100-300 ms behind them (bench.api_load
+        --hammer). Best effort: a database away at start is reported by the first request."""
+        if self.engine.dialect.name != "postgresql":
+            return
+        connections = []
+        try:
+            for _ in range(self.slots):
+                connections.append(self.engine.connect())
+        except DBAPIError as exc:
+            log.warning("could not open the database connections at start (%s); they open on demand",
+                        type(exc.orig or exc).__name__)
+        finally:
+            for connection in connections:
+                connection.close()
+
     async def run(self, work: Callable[[Session], T], *, read_only: bool = False) -> T:
         """``work(session)`` in a worker thread; the session commits if it returns, rolls back
         if it raises, and is closed before the thread is released. ``read_only`` work does not
         take SQLite's write lock (Postgres runs it the same either way)."""
         admitted = False
         with anyio.move_on_after(self.queue_seconds):
-            await self._admission.acquire()
+            await self._admission.acquire(REQUEST_KEY.get())
             admitted = True
         if not admitted:
             raise Overloaded(self.retry_after_seconds)

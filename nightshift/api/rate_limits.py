@@ -20,7 +20,8 @@ Fair admission: at most ``api_key_inflight`` requests of one key are in a proces
 body holds no database slot and no longer counts); one more is answered 503 with ``Retry-After`` at
 once, without being read, so a client hammering with many connections cannot fill the server's
 queues, and every other key's request finds room. Inside, database work still waits at most
-``api_queue_seconds`` for a slot (api/database.py).
+``api_queue_seconds`` for a slot (api/database.py), in a queue of its key's own: freed slots go
+to the waiting keys in turn (api/fair_slots.py).
 
 The key is known here by a hash of the bearer token (the token is never stored); its project by
 ``KeyProjects``, which the key lookup fills (api/deps.py): until a key's first request has been
@@ -41,6 +42,7 @@ from typing import Optional
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from nightshift.api.fair_slots import REQUEST_KEY
 from nightshift.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -135,6 +137,7 @@ class RedisLimiter:
     """Token buckets in Redis, shared by every API process (one round trip a request)."""
 
     PREFIX = "nightshift:ratelimit:"
+    CONNECTIONS = 8                    # per API process
 
     def __init__(self, url: str):
         import redis.asyncio
@@ -151,7 +154,11 @@ class RedisLimiter:
         loop = id(asyncio.get_running_loop())
         pair = self._clients.get(loop)
         if pair is None:
-            client = self._redis.Redis.from_url(self.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+            # a few connections, shared: a burst of requests waits its turn for one (a script call
+            # is ~0.1 ms) instead of opening a connection each
+            pool = self._redis.BlockingConnectionPool.from_url(self.url, max_connections=self.CONNECTIONS, timeout=0.5,
+                                                               socket_timeout=0.5, socket_connect_timeout=0.5)
+            client = self._redis.Redis(connection_pool=pool)
             pair = self._clients[loop] = (client, client.register_script(self._script_source))
         return pair
 
@@ -252,6 +259,8 @@ class RateLimits:
                 (b"retry-after", str(max(1, math.ceil(decision.retry_after))).encode()),
                 (b"retry-after-ms", str(max(1, math.ceil(decision.retry_after * 1000))).encode())])
             return
+        # after the buckets: a request over the cap has spent its token, so a client that retries
+        # 503s at once runs into its rate limit (and its held 429s) instead of spinning
         cap = self.settings.api_key_inflight
         if cap and self.inflight.get(key, 0) >= cap:
             await _answer(send, 503, _BUSY_BODY, [(b"retry-after", str(self.settings.api_retry_after_seconds).encode())])
@@ -277,9 +286,11 @@ class RateLimits:
                     message = {**message, "headers": list(message.get("headers", [])) + extra}
             await send(message)
 
+        whose = REQUEST_KEY.set(key)          # database slots are shared out by key (api/fair_slots.py)
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
+            REQUEST_KEY.reset(whose)
             leave()
 
     async def _hold(self, key: str, decision: Decision) -> None:
