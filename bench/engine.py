@@ -390,6 +390,7 @@ def run(args: argparse.Namespace, log=print) -> BenchReport:
     log(f"machine: {machine()}")
     log(f"model: {engine.model_name}  quantization={args.quantization}  dtype={engine.runner.dtype}  "
         f"load {load_seconds:.1f} s")
+    log(f"compute: {engine.compute}")
     log(f"engine: max_num_seqs={engine.config.max_num_seqs} max_num_batched_tokens="
         f"{engine.config.max_num_batched_tokens} block_size={engine.config.block_size} "
         f"kv_blocks={engine.runner.num_kv_blocks}")

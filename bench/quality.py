@@ -1,6 +1,11 @@
-"""INT4 fidelity against full precision on the default model.
+"""INT4 fidelity against full precision on the default model, and the CPU math paths against HF.
 
     python -m bench.quality [--model default] [--prompts 64] [--tokens 32] [--json out.json]
+    python -m bench.quality --maths float32,bf16,int8
+
+With ``--maths``: each CPU math path of engine/layers/cpu_math.py (float32 weights, the engine's
+loader) and HF transformers' own bfloat16 model, against HF transformers in float32, with the
+measures below (``evaluate_maths``). Otherwise:
 
 Full precision ("fp") is the checkpoint's float32 weights (for a GGUF file: its quantized
 tensors dequantized exactly). The INT4 variants compared with it (``--variants``, default all):
@@ -184,6 +189,73 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
             "comparisons": [asdict(r) for r in results], "checkpoint_sizes": sizes}
 
 
+def hf_teacher_forced(hf, prompts: list[list[int]], forced: list[list[int]]) -> torch.Tensor:
+    """transformers' next-token log-probs [steps, prompts, vocab] along `forced` continuations
+    (one unpadded forward per prompt, as our stepper's positions)."""
+    rows = []
+    with torch.inference_mode():
+        for prompt, tokens in zip(prompts, forced):
+            ids = torch.tensor([prompt + tokens[:-1]])
+            logits = hf(ids).logits[0, len(prompt) - 1:].float()
+            rows.append(F.log_softmax(logits, dim=-1))
+    return torch.stack(rows, dim=1)
+
+
+def hf_greedy(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuations, one prompt at a time (no padding), EOS ignored."""
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
+            out.append(ids[0, len(prompt):].tolist())
+    return out
+
+
+def evaluate_maths(model: str = "default", num_prompts: int = 64, new_tokens: int = 32,
+                   maths: tuple[str, ...] = ("float32", "bf16", "int8"), cache_dir: str | None = None,
+                   log=print) -> dict:
+    """Each CPU math path of our engine (engine/layers/cpu_math.py) and HF's own bfloat16 against
+    HF transformers in float32 on the same prompts: top-1 agreement and mean KL(HF fp32 || path)
+    along HF float32's greedy continuation (teacher-forced), and the share of prompts whose
+    greedy continuation equals HF float32's. The rule for a default path: no more drift than
+    HF bf16 shows here."""
+    from bench.engine import hf_model_from_cache
+
+    tokenizer = load_tokenizer(model, cache_dir=cache_dir)
+    prompts = [tokenizer.apply_chat_template(m) for m in quality_prompts(num_prompts)]
+    start = time.perf_counter()
+    hf32 = hf_model_from_cache(model, torch.float32)
+    ref_tokens = hf_greedy(hf32, prompts, new_tokens)
+    ref_logprobs = hf_teacher_forced(hf32, prompts, ref_tokens)
+    del hf32
+    log(f"HF float32: {len(prompts)} prompts x {new_tokens} tokens in {time.perf_counter() - start:.1f}s")
+
+    def compare(name: str, logprobs: torch.Tensor, greedy: list[list[int]], seconds: float) -> Comparison:
+        top1 = (logprobs.argmax(-1) == ref_logprobs.argmax(-1)).float().mean().item()
+        kl = (ref_logprobs.exp() * (ref_logprobs - logprobs)).sum(-1).mean().item()
+        exact = sum(a == b for a, b in zip(greedy, ref_tokens)) / len(prompts)
+        log(f"{name:22s} top1={top1:.4f} KL={kl:.2e} greedy_exact={exact:.3f} ({seconds:.1f}s)")
+        return Comparison(name, "hf-float32", ref_logprobs.shape[0] * ref_logprobs.shape[1], top1, kl, exact,
+                          seconds)
+
+    results = []
+    t0 = time.perf_counter()
+    hf16 = hf_model_from_cache(model, torch.bfloat16)
+    results.append(compare("HF bfloat16", hf_teacher_forced(hf16, prompts, ref_tokens),
+                           hf_greedy(hf16, prompts, new_tokens), time.perf_counter() - t0))
+    del hf16
+    for math in maths:
+        t0 = time.perf_counter()
+        net = load_model(model, dtype=torch.float32, cache_dir=cache_dir, cpu_math=math)
+        stepper = _Stepper(net, prompts, new_tokens)
+        _, forced_lp = stepper.run(new_tokens, forced=ref_tokens)
+        greedy, _ = stepper.run(new_tokens)
+        results.append(compare(f"nightshift {math}", forced_lp, greedy, time.perf_counter() - t0))
+    return {"model": model, "prompts": len(prompts), "new_tokens": new_tokens, "reference": "HF float32",
+            "comparisons": [asdict(r) for r in results]}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="INT4 vs full-precision fidelity on a fixed prompt set")
     ap.add_argument("--model", default="default")
@@ -194,9 +266,18 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", default=None, help="comma list (default: all)")
     ap.add_argument("--kernels", default="dense,int4-kernel", help=f"comma list of {','.join(KERNEL_ROWS)}")
     ap.add_argument("--json", default=None, help="also write the report to this file")
+    ap.add_argument("--maths", default=None,
+                    help="instead of the INT4 variants: these CPU math paths (comma list of float32,bf16,int8) "
+                         "and HF bfloat16, each against HF float32")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.maths:
+        report = evaluate_maths(args.model, args.prompts, args.tokens, tuple(args.maths.split(",")), args.cache_dir)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(report, handle, indent=1)
+        return
     report = evaluate(args.model, args.prompts, args.tokens, args.cache_dir,
                       variants=tuple(args.variants.split(",")) if args.variants else None,
                       kernels=tuple(args.kernels.split(",")))

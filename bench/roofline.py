@@ -18,6 +18,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from nightshift.engine.layers.cpu_math import MathWeight
 from nightshift.engine.model_config import ModelConfig
 
 
@@ -68,7 +69,8 @@ def weight_bytes_per_step(model: nn.Module) -> int:
         if name.startswith("rotary.") or (skip_embedding and name == "embed_tokens"):
             continue
         total += tensor.numel() * tensor.element_size()
-    return total
+    # weights held for the CPU math (engine/layers/cpu_math.py) are outside the state dict
+    return total + sum(m.packed.nbytes() for m in model.modules() if isinstance(getattr(m, "packed", None), MathWeight))
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

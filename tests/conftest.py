@@ -33,9 +33,10 @@ def default_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def fp32_model(default_model_path):
-    """Our model, float32, from the default model cache (converted on first use)."""
+    """Our model, float32 on the float32 CPU math (the path compared with HF float32), from the
+    default model cache (converted on first use)."""
     from nightshift.engine.loader import load_model
-    return load_model(default_model_path, dtype=torch.float32)
+    return load_model(default_model_path, dtype=torch.float32, cpu_math="float32")
 
 
 @pytest.fixture(scope="session")

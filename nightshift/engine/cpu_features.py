@@ -21,5 +21,20 @@ def cpu_has_native_bf16() -> bool:
     """True with AMX bf16 tiles (amx_bf16): the only CPU bf16 matmuls measured faster than float32.
     On the AVX2-only dev box a bf16 linear ran 5-10x slower than float32 (oneDNN emulates bf16
     there); on an AVX-512 box with avx512_bf16 but no AMX, the model's linear layers at 256 rows
-    ran 1.7x slower in bf16 (3.40 vs 1.99 ms per token, one thread)."""
+    ran 1.7x slower in bf16 (3.40 vs 1.99 ms per token, one thread). That is a bfloat16 *model*
+    (every tensor bf16, `F.linear` unpacked); a float32 model's layers on oneDNN's packed bf16
+    weights are faster there, which engine/layers/cpu_math.py measures and chooses."""
     return "amx_bf16" in cpu_flags()
+
+
+def cpu_has_bf16_dot() -> bool:
+    """bfloat16 dot products in hardware: avx512_bf16 (vdpbf16ps) or AMX bf16 tiles. Where they
+    are, oneDNN's bf16 matmul with packed weights measured ~2x its float32 one (an AVX-512 Zen 4,
+    256 rows: 4.2 vs 8.5 ms per layer of the default model); which math runs is measured per
+    model at load (engine/layers/cpu_math.py)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def cpu_has_int8_dot() -> bool:
+    """int8 dot products in hardware: VNNI (vpdpbusd, AVX-512 or AVX) or AMX int8 tiles."""
+    return bool({"avx512_vnni", "avx_vnni", "amx_int8"} & cpu_flags())

@@ -99,6 +99,17 @@ class Engine:
         runner = ModelRunner(model, num_kv_blocks=num_kv_blocks, block_size=config.block_size)
         return cls(runner, tokenizer, model_name, config)
 
+    @property
+    def compute(self) -> str:
+        """How the model computes, for logs and benchmarks: device, dtype and, for a float32 CPU
+        model, its CPU math (engine/layers/cpu_math.py) and why."""
+        model = self.runner.model
+        where = f"{model.embed_tokens.device.type} {str(model.dtype).removeprefix('torch.')}"
+        choice = getattr(model, "cpu_math", None)
+        if choice is None or choice.reason == "not a float32 CPU model":
+            return where
+        return f"{where}, CPU math {choice.describe()}"
+
     # ---- validation -----------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
         """Raise InvalidRequestError (naming the request) if the engine cannot run it."""

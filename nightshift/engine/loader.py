@@ -9,6 +9,8 @@ already fast to load). Where sources and entries are: engine/model_files.py.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -18,7 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from nightshift.engine.gguf_file import GGUFFile
-from nightshift.engine.layers.linear import GGUFBlocks
+from nightshift.engine.layers import cpu_math
+from nightshift.engine.layers.linear import DenseLinearFactory, GGUFBlocks
 from nightshift.engine.model_config import ModelConfig
 from nightshift.engine.model_files import (CACHE_FORMAT, atomic_write, cache_entry, cache_root, model_name,
                                            resolve_model, source_fingerprint)
@@ -28,6 +31,8 @@ from nightshift.engine.quant.calibration import calibration_stats
 from nightshift.engine.quant.config import QuantConfig
 from nightshift.engine.quant.linear_factory import Int4LinearFactory
 from nightshift.engine.tokenizer import load_tokenizer, save_gguf_tokenizer
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "weights.safetensors"
 _GGUF_SUFFIX = "@gguf"                    # raw GGUF blocks of tensor X are stored as X@gguf
@@ -97,8 +102,13 @@ def load_checkpoint(model: str = "default", cache_dir: Optional[str] = None) -> 
 
 
 def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, device: str = "cpu",
-               quant_config: Optional[QuantConfig] = None, cache_dir: Optional[str] = None) -> LlamaForCausalLM:
+               quant_config: Optional[QuantConfig] = None, cache_dir: Optional[str] = None,
+               cpu_math: Optional[str] = None) -> LlamaForCausalLM:
     """Our LlamaForCausalLM for `model` ("default", a GGUF path or a HF dir); float32 unless `dtype`.
+
+    A float32 model on CPU multiplies through the CPU math of engine/layers/cpu_math.py:
+    `cpu_math` (float32, bf16, int8, auto) or, when None, NIGHTSHIFT_CPU_MATH (default auto:
+    measured on this model's shapes). The choice is logged and kept as `model.cpu_math`.
 
     With a quant_config the projections it quantizes are INT4, built by an Int4LinearFactory over
     the quantized-weight cache of this source and config (engine/quant/cache.py): layers found
@@ -107,8 +117,11 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
     """
     checkpoint = load_checkpoint(model, cache_dir)
     dtype = dtype or torch.float32
+    choice = choose_cpu_math(checkpoint.config, dtype, device, cpu_math)
     if quant_config is None:
-        return build_model(checkpoint, dtype=dtype, device=device)
+        net = build_model(checkpoint, dtype=dtype, device=device, linear=DenseLinearFactory(choice.math))
+        net.cpu_math = choice
+        return net
 
     def calibrate():
         fp_model = build_model(checkpoint, dtype=torch.float32, device="cpu")
@@ -117,6 +130,19 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
     cache = QuantizedCheckpointCache(cache_file(cache_root(cache_dir), source_fingerprint(resolve_model(model)),
                                                 quant_config))
     net = build_model(checkpoint, dtype=dtype, device=device,
-                      linear=Int4LinearFactory(quant_config, cache, calibrate))
+                      linear=Int4LinearFactory(quant_config, cache, calibrate, math=choice.math))
     cache.save_if_changed()
+    net.cpu_math = choice
     return net
+
+
+def choose_cpu_math(config: ModelConfig, dtype: torch.dtype, device: str,
+                    requested: Optional[str] = None) -> cpu_math.Choice:
+    """The CPU math of a model (engine/layers/cpu_math.py); "float32" ("not a float32 CPU
+    model") where there is none to choose: the layers then run in the model's dtype."""
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        return cpu_math.Choice("float32", "not a float32 CPU model")
+    start = time.perf_counter()
+    choice = cpu_math.choose(config.projection_shapes, requested)
+    log.info("CPU math: %s, chosen in %.2f s", choice.describe(), time.perf_counter() - start)
+    return choice

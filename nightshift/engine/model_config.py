@@ -41,6 +41,14 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @property
+    def projection_shapes(self) -> tuple[tuple[int, int], ...]:
+        """`[out, in]` of every matmul of a forward pass, in order: each layer's fused q|k|v,
+        attention output, fused gate|up and down projections, then the LM head."""
+        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.intermediate_size
+        return ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i)) * self.num_layers + ((self.vocab_size, h),)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
         return cls(**data)

@@ -110,7 +110,8 @@ def _load(kind: str, settings: Settings, load: Callable[[], object]) -> object:
         log.warning("the %s model %s loaded after %d failed attempt(s)", kind, model, failures.count)
     _failures[kind] = _LoadFailures()
     worker_metrics().load_failed.labels(kind, model).set(0)
-    log.info("loaded the %s model %s in %.1f s", kind, model, time.monotonic() - started)
+    log.info("loaded the %s model %s in %.1f s (%s)", kind, model, time.monotonic() - started,
+             getattr(engine, "compute", "?"))
     update_host_row(settings, lambda s, now: registry.mark_ready(s, worker_identity(), kind, now))
     return engine
 

@@ -87,6 +87,11 @@ class EmbeddingEngine:
         tokenizer = EmbeddingTokenizer.from_file(files.path / "tokenizer.json", max_length, files.do_lower_case)
         return cls(encoder, tokenizer, files, files.name, config)
 
+    @property
+    def compute(self) -> str:
+        """How the encoder computes, for logs: device, dtype and its GEMMs."""
+        return f"{self.encoder.device.type} {str(self.encoder.dtype).removeprefix('torch.')}, GEMMs {self.encoder.gemm}"
+
     def stats(self) -> EmbeddingStats:
         return EmbeddingStats(**vars(self._stats))
 

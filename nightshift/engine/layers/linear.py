@@ -1,8 +1,8 @@
 """The linear-layer seam: the model builds every projection through a `LinearFactory`.
 
 The model is given its factory by whoever builds it (the loader, a benchmark): `DenseLinearFactory`
-(full precision: a plain dense matmul, float32 on CPU through oneDNN with the weight packed once,
-engine/layers/cpu_gemm.py), or the INT4 one of engine/quant/linear_factory.py, which receives the
+(full precision: a dense matmul; float32 weights on CPU held once for the model's CPU math,
+engine/layers/cpu_math.py), or the INT4 one of engine/quant/linear_factory.py, which receives the
 same `WeightSource`; that can hand out the checkpoint's raw GGUF blocks as well as the dense
 weight, so GGUF Q4_0/Q4_1 tensors import without re-quantizing. Nothing here knows about INT4.
 """
@@ -13,9 +13,10 @@ from typing import Callable, Optional, Protocol
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from nightshift.engine.layers import cpu_gemm
+from nightshift.engine.layers import cpu_math
 
 
 @dataclass
@@ -65,28 +66,39 @@ class WeightSource:
 
 
 class DenseLinear(nn.Module):
-    """`x @ W.T (+ b)` in the weight's dtype. A float32 weight on CPU is kept only in oneDNN's
-    packed layout (engine/layers/cpu_gemm.py), a non-persistent buffer, unless `pack` is False;
-    `weight` then unpacks a copy on demand (for inspection, not the hot path)."""
+    """`x @ W.T (+ b)`. A float32 weight on CPU is held for the model's CPU math
+    (engine/layers/cpu_math.py: packed float32 for oneDNN, bf16 or int8) in `packed`, outside the
+    state dict, unless `pack` is False (then, as for other dtypes and devices, `F.linear` on the
+    plain weight); `weight` gives a float32 copy of a held weight on demand (for inspection, not
+    the hot path)."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack: bool = True):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], pack: bool = True,
+                 math: str = "float32"):
         super().__init__()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        packed = cpu_gemm.pack(weight) if pack else None
-        self.register_buffer("packed", packed, persistent=False)
-        self.dense = None if packed is not None else nn.Parameter(weight, requires_grad=False)
+        self.packed = cpu_math.prepare(weight, math) if pack and cpu_math.applies(weight, math) else None
+        self.dense = None if self.packed is not None else nn.Parameter(weight, requires_grad=False)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
 
     @property
+    def math(self) -> Optional[str]:
+        """The CPU math the layer runs (None: `F.linear` in the weight's dtype)."""
+        return None if self.packed is None else self.packed.math
+
+    @property
     def weight(self) -> torch.Tensor:
-        return self.dense if self.packed is None else self.packed.to_dense()
+        return self.dense if self.packed is None else self.packed.dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.dense if self.packed is None else self.packed, self.bias)
+        if self.packed is None:
+            return F.linear(x, self.dense, self.bias)
+        return self.packed.linear(x, self.bias)
 
 
 class LinearFactory(Protocol):
     """Builds the module of each projection of the model."""
+
+    math: str          # the CPU math of its float32 layers (engine/layers/cpu_math.py)
 
     def __call__(self, source: WeightSource) -> nn.Module:
         """A module computing `x @ W.T (+ b)` for the projection `source` describes."""
@@ -97,10 +109,13 @@ class LinearFactory(Protocol):
 
 
 class DenseLinearFactory:
-    """Every projection full precision."""
+    """Every projection full precision, float32 CPU weights held for `math` (engine/layers/cpu_math.py)."""
+
+    def __init__(self, math: str = "float32"):
+        self.math = math
 
     def __call__(self, source: WeightSource) -> DenseLinear:
-        return DenseLinear(source.weight(), source.bias())
+        return DenseLinear(source.weight(), source.bias(), math=self.math)
 
     def is_dense(self, layer_name: str) -> bool:
         return True

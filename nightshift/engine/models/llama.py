@@ -17,7 +17,7 @@ from torch import nn
 
 from nightshift.engine.attention.base import AttentionBackend, StepMetadata
 from nightshift.engine.kv_cache import KVCache
-from nightshift.engine.layers import cpu_gemm
+from nightshift.engine.layers import cpu_math
 from nightshift.engine.layers.linear import DenseLinear, DenseLinearFactory, LinearFactory, WeightSource
 from nightshift.engine.model_config import ModelConfig, rope_scaling_type
 
@@ -148,6 +148,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.cpu_math: Optional[cpu_math.Choice] = None    # how its CPU layers multiply, set by the loader
         device = torch.device(device)
 
         def tensor(name: str) -> torch.Tensor:
@@ -166,9 +167,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(tensor("model.norm.weight"), config.rms_norm_eps)
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
         if config.tie_word_embeddings and linear.is_dense("lm_head"):
-            # reuse the embedding matrix (no second copy), except where the CPU's packed float32
-            # layout makes the LM head up to 2x faster (engine/layers/cpu_gemm.py): a packed copy
-            self.lm_head = DenseLinear(self.embed_tokens, None) if cpu_gemm.applies(self.embed_tokens) else None
+            # reuse the embedding matrix (no second copy), except where the CPU math holds its own
+            # form of it (engine/layers/cpu_math.py; packed float32 alone makes the head up to 2x faster)
+            self.lm_head = (DenseLinear(self.embed_tokens, None, math=linear.math)
+                            if cpu_math.applies(self.embed_tokens, linear.math) else None)
         else:
             self.lm_head = projection("lm_head", [head])
         freq_divisors = checkpoint.tensor("rope_freqs")

@@ -6,16 +6,18 @@ What runs, chosen per call by ``Int4Linear.kernel_for`` (engine/quant/README.md 
   bfloat16 activations (its float32 mode is ~6x slower here; the result is cast back).
 * CPU, larger steps: a dense matmul with the dequantized weight in the activation dtype
   (float32 for bfloat16 activations on CPUs without native bf16), kept after first use when
-  ``cache_dense_weight`` (else dequantized per call); a kept float32 weight is packed for oneDNN
-  (engine/layers/cpu_gemm.py), like the full-precision layers.
+  ``cache_dense_weight`` (else dequantized per call); a kept float32 weight is held for the
+  model's CPU math (engine/layers/cpu_math.py: packed float32, bf16 or int8), like the
+  full-precision layers.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nightshift.engine.cpu_features import cpu_has_native_bf16
-from nightshift.engine.layers import cpu_gemm
+from nightshift.engine.layers import cpu_math
 from nightshift.engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS
 from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from nightshift.engine.quant.format import Int4Weight
@@ -33,13 +35,14 @@ def dense_compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class Int4Linear(nn.Module):
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *,
                  cpu_int4_max_rows: int = DEFAULT_CPU_INT4_MAX_ROWS,
-                 cache_dense_weight: bool = True):
+                 cache_dense_weight: bool = True, cpu_math: str = "float32"):
         super().__init__()
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.group_size = weight.group_size
         self.cpu_int4_max_rows = cpu_int4_max_rows
         self.cache_dense_weight = cache_dense_weight
+        self.cpu_math = cpu_math
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
@@ -50,7 +53,7 @@ class Int4Linear(nn.Module):
         # not part of the state dict (the INT4 format is what is stored and moved).
         self._tinygemm_packed: torch.Tensor | None = None
         self._tinygemm_sz: dict[torch.dtype, torch.Tensor] = {}
-        self._dense: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._dense: dict[tuple[torch.device, torch.dtype], object] = {}
 
     @property
     def int4_weight(self) -> Int4Weight:
@@ -111,14 +114,16 @@ class Int4Linear(nn.Module):
         return tinygemm_linear(x2d, self._tinygemm_packed, self.group_size, sz)
 
     def _dense_linear(self, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x2d @ dequantized W.T; when cached, a float32 CPU weight is kept in oneDNN's packed
-        layout (engine/layers/cpu_gemm.py) as the full-precision layers are."""
+        """x2d @ dequantized W.T; when cached, a float32 CPU weight is held for the model's CPU
+        math (engine/layers/cpu_math.py) as the full-precision layers' are."""
         key = (x2d.device, x2d.dtype)
         w = self._dense.get(key)
         if w is None:
             w = self.int4_weight.dequantize(x2d.dtype)
             if self.cache_dense_weight:
-                packed = cpu_gemm.pack(w)
-                w = w if packed is None else packed
+                if cpu_math.applies(w, self.cpu_math):
+                    w = cpu_math.prepare(w, self.cpu_math)
                 self._dense[key] = w
-        return cpu_gemm.linear(x2d, w, bias)
+        if isinstance(w, cpu_math.MathWeight):
+            return w.linear(x2d, bias)
+        return F.linear(x2d, w, bias)

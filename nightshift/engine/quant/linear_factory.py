@@ -59,8 +59,9 @@ def int4_weight_for(source: WeightSource, config: QuantConfig,
 
 class Int4LinearFactory:
     def __init__(self, config: QuantConfig, cache: Optional[QuantizedCheckpointCache] = None,
-                 calibrate: Optional[Calibrate] = None):
+                 calibrate: Optional[Calibrate] = None, math: str = "float32"):
         self.config = config
+        self.math = math
         self.cache = cache
         self._calibrate = calibrate
         self._stats: Optional[dict[str, ActivationStats]] = None
@@ -70,7 +71,7 @@ class Int4LinearFactory:
 
     def __call__(self, source: WeightSource) -> nn.Module:
         if self.is_dense(source.name):
-            return DenseLinear(source.weight(), source.bias())
+            return DenseLinear(source.weight(), source.bias(), math=self.math)
         cached = self.cache.get(source.name) if self.cache is not None else None
         if cached is not None:
             weight, input_scale = cached
@@ -83,7 +84,7 @@ class Int4LinearFactory:
         bias = source.bias()
         layer = Int4Linear(weight.to(device), None if bias is None else bias.to(device),
                            cpu_int4_max_rows=self.config.cpu_int4_max_rows,
-                           cache_dense_weight=self.config.cache_dense_weight)
+                           cache_dense_weight=self.config.cache_dense_weight, cpu_math=self.math)
         if input_scale is not None:
             layer.input_scale = input_scale.to(device)
         return layer

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nightshift.engine.layers import cpu_gemm
+from nightshift.engine.layers import cpu_gemm, cpu_math
 from nightshift.engine.layers.linear import GGUFBlocks, WeightSource
 from nightshift.engine.layers.linear import DenseLinear
 from nightshift.engine.quant.cache import QuantizedCheckpointCache, cache_file
@@ -47,12 +47,18 @@ def test_int4_linear_keeps_leading_dims_and_dense_cache(weight):
     x = torch.randn(2, 10, 384)
     cached = Int4Linear(weight, cpu_int4_max_rows=0, cache_dense_weight=True)
     uncached = Int4Linear(weight, cpu_int4_max_rows=0, cache_dense_weight=False)
-    # the kept float32 weight runs on oneDNN's packed GEMM (engine/layers/cpu_gemm.py), the
-    # per-call one on F.linear: the same products, summed in another order
+    # the kept float32 weight is held for the CPU math (float32: oneDNN's packed GEMM,
+    # engine/layers/cpu_gemm.py), the per-call one runs F.linear: the same products, summed in
+    # another order
     torch.testing.assert_close(cached(x), uncached(x), rtol=1e-5, atol=1e-5)
     assert cached(x).shape == (2, 10, 192)
     assert len(cached._dense) == 1 and not uncached._dense
-    assert next(iter(cached._dense.values())).is_mkldnn == cpu_gemm.available()
+    kept = next(iter(cached._dense.values()))
+    assert isinstance(kept, cpu_math.MathWeight) == cpu_gemm.available()
+    if "bf16" in cpu_math.supported():   # another CPU math: the kept weight is held for it
+        bf16 = Int4Linear(weight, cpu_int4_max_rows=0, cpu_math="bf16")
+        torch.testing.assert_close(bf16(x), uncached(x), rtol=0.02, atol=0.02 * uncached(x).abs().max().item())
+        assert next(iter(bf16._dense.values())).math == "bf16"
     assert "qweight" in cached.state_dict() and cached.state_dict()["qweight"].dtype == torch.uint8
 
 

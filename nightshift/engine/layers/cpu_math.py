@@ -1,0 +1,242 @@
+"""How a float32 model's linear layers multiply on the CPU: the one place that chooses the math.
+
+Three paths (``MATHS``), each a way to hold a layer's weight and multiply by it; the rest of the
+model (residual stream, norms, RoPE, attention, KV cache, logits) stays float32 whatever is chosen:
+
+* ``float32``: oneDNN with the weight packed once at load (engine/layers/cpu_gemm.py), or MKL's
+  ``F.linear`` where oneDNN is off. What the engine always ran, bit for bit.
+* ``bf16``: the weight packed in bfloat16 for oneDNN (avx512_bf16 dot products, AMX tiles);
+  the activations are cast to bfloat16 on the way in and the result back to float32 (float32
+  accumulation inside). Half the weight bytes and twice the FLOP rate of float32 on such CPUs.
+* ``int8``: per-output-channel symmetric int8 weights; each call quantizes its activations per
+  token (row: the row's absolute maximum maps to 127), multiplies int8 x int8 into int32
+  (``torch._int_mm``: oneDNN's VNNI ``vpdpbusd`` / AMX int8 kernels) and rescales to float32.
+  Per-row scales keep every row's result independent of the other rows of the step.
+
+Every path's row results are independent of how many rows a step has (checked by
+tests/engine/test_cpu_math.py), so an answer does not depend on the batch around it.
+
+``NIGHTSHIFT_CPU_MATH=float32|bf16|int8|auto`` (default auto) forces a path. ``auto`` keeps the
+fastest of the paths this CPU runs natively (``supported``) among ``AUTO_MATHS``, timed on the
+model's own projection shapes at a small and a large step (``choose``); float32 stays unless
+another is at least ``MARGIN`` faster. The timings are kept on disk per CPU, torch version,
+threads and shapes (beside the C kernels' cache), so every process of a machine makes the same
+choice and measures once. int8 is left out of ``auto``: on the standard prompts it drifts from
+float32 more than HF's own bfloat16 does (bench/quality.py --maths reports it), so it runs only
+when asked for.
+"""
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from nightshift.engine.cpu_features import cpu_flags, cpu_has_bf16_dot, cpu_has_int8_dot
+from nightshift.engine.kernels.c_library import cache_dir
+from nightshift.engine.layers import cpu_gemm
+
+MATHS = ("float32", "bf16", "int8")
+AUTO_MATHS = ("float32", "bf16")
+ENV = "NIGHTSHIFT_CPU_MATH"
+MARGIN = 0.05
+PROBE_ROWS = (16, 256)        # a small decode step and a full one (the default max_num_seqs)
+
+
+def requested() -> str:
+    """The path asked for through NIGHTSHIFT_CPU_MATH: one of MATHS, or "auto" (the default)."""
+    value = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if value not in (*MATHS, "auto"):
+        raise ValueError(f"{ENV}={value!r}: choose one of {', '.join((*MATHS, 'auto'))}")
+    return value
+
+
+def supported() -> tuple[str, ...]:
+    """The paths this CPU and torch build run natively (float32 always)."""
+    maths = ["float32"]
+    if cpu_has_bf16_dot() and cpu_gemm.available():
+        maths.append("bf16")
+    if cpu_has_int8_dot() and _int_mm_works():
+        maths.append("int8")
+    return tuple(maths)
+
+
+@functools.cache
+def _int_mm_works() -> bool:
+    try:
+        out = torch._int_mm(torch.ones(1, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+    except (RuntimeError, AttributeError):
+        return False
+    return bool((out == 8).all())
+
+
+class MathWeight:
+    """A layer's weight held for one path; ``linear(x, bias)`` is ``x @ W.T (+ bias)`` in float32."""
+
+    math: str
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dense(self) -> torch.Tensor:
+        """The weight as a float32 tensor (for inspection; the int8 path gives its rounded values)."""
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Bytes a multiplication reads of this weight."""
+        raise NotImplementedError
+
+
+class Float32Weight(MathWeight):
+    math = "float32"
+
+    def __init__(self, weight: torch.Tensor):
+        packed = cpu_gemm.pack(weight)
+        self.weight = weight if packed is None else packed
+
+    def linear(self, x, bias=None):
+        return cpu_gemm.linear(x, self.weight, bias)
+
+    def dense(self):
+        return self.weight.to_dense() if self.weight.is_mkldnn else self.weight
+
+    def nbytes(self):
+        return self.weight.numel() * 4
+
+
+class Bf16Weight(MathWeight):
+    math = "bf16"
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous())
+
+    def linear(self, x, bias=None):
+        out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.weight, None, "none", [], "").float()
+        return out if bias is None else out.add_(bias)
+
+    def dense(self):
+        return self.weight.to_dense().float()
+
+    def nbytes(self):
+        return self.weight.numel() * 2
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row of a 2-D float tensor: (int8 values, float32 scales [rows, 1]),
+    with x ~= values * scales (an all-zero row gets scale 1)."""
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    return torch.round(x / scales).clamp_(-127, 127).to(torch.int8), scales
+
+
+class Int8Weight(MathWeight):
+    math = "int8"
+
+    def __init__(self, weight: torch.Tensor):
+        values, scales = quantize_rows(weight.detach().float())
+        self.values_t = values.t()                     # [in, out] view of the [out, in] rows
+        self.scales = scales.reshape(1, -1).contiguous()
+
+    def linear(self, x, bias=None):
+        lead = x.shape[:-1]
+        x2d = x.reshape(-1, x.shape[-1])
+        values, scales = quantize_rows(x2d)
+        out = torch._int_mm(values, self.values_t).float().mul_(scales).mul_(self.scales)
+        if bias is not None:
+            out.add_(bias)
+        return out.reshape(*lead, out.shape[-1])
+
+    def dense(self):
+        return self.values_t.t().float() * self.scales.reshape(-1, 1)
+
+    def nbytes(self):
+        return self.values_t.numel() + self.scales.numel() * 4
+
+
+def applies(weight: torch.Tensor, math: str) -> bool:
+    """Whether a layer holds `weight` for `math`: a 2-D float32 CPU weight (for float32, only
+    with oneDNN's packing available; otherwise `F.linear` on the plain weight is that path)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return False
+    return math != "float32" or cpu_gemm.available()
+
+
+_WEIGHTS = {"float32": Float32Weight, "bf16": Bf16Weight, "int8": Int8Weight}
+
+
+def prepare(weight: torch.Tensor, math: str) -> MathWeight:
+    """`weight` `[out, in]` (float32, CPU) held for `math`."""
+    if math not in _WEIGHTS:
+        raise ValueError(f"unknown CPU math {math!r}; choose one of {', '.join(MATHS)}")
+    return _WEIGHTS[math](weight)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The path a model runs and why: ``seconds`` per candidate (None where not measured)."""
+    math: str
+    reason: str                                    # "forced" | "measured" | "only float32"
+    seconds: Optional[dict] = None
+
+    def describe(self) -> str:
+        if self.seconds is None:
+            return f"{self.math} ({self.reason})"
+        timings = ", ".join(f"{name} {secs * 1000:.1f} ms" for name, secs in self.seconds.items())
+        return f"{self.math} ({self.reason}: {timings} for the probe steps)"
+
+
+def choose(shapes: tuple[tuple[int, int], ...], requested_math: Optional[str] = None) -> Choice:
+    """The path for a float32 CPU model whose projections have these ``[out, in]`` shapes (the
+    LM head included): ``requested_math`` or NIGHTSHIFT_CPU_MATH when not "auto", else measured."""
+    math = requested_math or requested()
+    if math != "auto":
+        if math not in MATHS:
+            raise ValueError(f"unknown CPU math {math!r}; choose one of {', '.join((*MATHS, 'auto'))}")
+        return Choice(math, "forced")
+    candidates = tuple(m for m in AUTO_MATHS if m in supported())
+    if candidates == ("float32",):
+        return Choice("float32", "only float32")
+    seconds = _measured(tuple(shapes), candidates)
+    best = min(candidates, key=seconds.__getitem__)
+    if best != "float32" and seconds[best] > seconds["float32"] * (1 - MARGIN):
+        best = "float32"
+    return Choice(best, "measured", seconds)
+
+
+def _measured(shapes: tuple[tuple[int, int], ...], candidates: tuple[str, ...]) -> dict:
+    """Seconds of each candidate for one step of every shape at each of PROBE_ROWS, from the
+    disk cache when this machine measured them before."""
+    key = json.dumps([torch.__version__, sorted(cpu_flags()), torch.get_num_threads(), shapes, PROBE_ROWS,
+                      candidates])
+    path = cache_dir() / f"cpu_math-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # one process measures, the others of the machine wait for its answer: all choose alike
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+        seconds = {math: _time_math(shapes, math) for math in candidates}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(seconds))
+        os.replace(tmp, path)
+        return seconds
+
+
+def _time_math(shapes: tuple[tuple[int, int], ...], math: str, repeats: int = 3) -> float:
+    generator = torch.Generator().manual_seed(0)
+    total = 0.0
+    for out_features, in_features in dict.fromkeys(shapes):
+        weight = prepare(torch.randn(out_features, in_features, generator=generator), math)
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, in_features, generator=generator)
+            total += cpu_gemm.best_seconds(lambda: weight.linear(x), repeats) * shapes.count(
+                (out_features, in_features))
+    return total
+

@@ -1,0 +1,147 @@
+"""The CPU math paths of a float32 model's linear layers (engine/layers/cpu_math.py) and their choice."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nightshift.engine.layers import cpu_gemm, cpu_math
+from nightshift.engine.layers.linear import DenseLinear
+
+# how far each path may be from float32 F.linear, relative to the output's scale
+TOLERANCE = {"float32": 1e-5, "bf16": 2e-2, "int8": 3e-2}
+
+
+def supported_maths():
+    return [pytest.param(m, marks=pytest.mark.skipif(m not in cpu_math.supported(), reason=f"no native {m} here"))
+            for m in cpu_math.MATHS]
+
+
+@pytest.mark.parametrize("math", supported_maths())
+def test_each_path_multiplies_as_f_linear_does_within_its_rounding(math):
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    x = torch.randn(2, 7, 64, generator=generator)
+    layer = DenseLinear(weight.clone(), bias, math=math)
+    assert layer.math == math and layer.dense is None
+    out = layer(x)
+    expected = F.linear(x, weight, bias)
+    assert out.dtype == torch.float32 and out.shape == (2, 7, 96)
+    assert (out - expected).abs().max().item() <= TOLERANCE[math] * expected.abs().max().item()
+    assert layer.weight.shape == (96, 64)
+    torch.testing.assert_close(layer.weight, weight, atol=TOLERANCE[math] * weight.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("math", supported_maths())
+def test_a_rows_result_does_not_depend_on_the_other_rows_of_the_step(math):
+    """A request's answer must not depend on the batch around it: every path's row results are
+    bit-identical whatever rows share the call."""
+    generator = torch.Generator().manual_seed(1)
+    layer = DenseLinear(torch.randn(320, 576, generator=generator), None, math=math)
+    x = torch.randn(300, 576, generator=generator)
+    full = layer(x)
+    for rows in (1, 2, 3, 16, 17, 64, 255):
+        assert torch.equal(layer(x[:rows]), full[:rows]), rows
+    assert torch.equal(layer(x[31:71]), full[31:71])
+
+
+def test_the_float32_path_is_the_packed_onednn_one_bit_for_bit():
+    if not cpu_gemm.available():
+        pytest.skip("torch built without oneDNN")
+    weight, x = torch.randn(40, 24), torch.randn(5, 24)
+    packed = cpu_gemm.pack(weight)
+    assert torch.equal(DenseLinear(weight.clone(), None, math="float32")(x), cpu_gemm.linear(x, packed))
+
+
+def test_other_dtypes_keep_f_linear_and_no_math():
+    weight = torch.randn(8, 8, dtype=torch.bfloat16)
+    layer = DenseLinear(weight, None, math="bf16")
+    assert layer.math is None and layer.packed is None
+    assert not cpu_math.applies(weight, "int8")
+
+
+def test_the_environment_variable_forces_a_path_and_refuses_others(monkeypatch):
+    monkeypatch.setenv(cpu_math.ENV, "BF16")
+    assert cpu_math.requested() == "bf16"
+    assert cpu_math.choose(((8, 8),)) == cpu_math.Choice("bf16", "forced")
+    monkeypatch.setenv(cpu_math.ENV, "fp8")
+    with pytest.raises(ValueError, match="NIGHTSHIFT_CPU_MATH='fp8'.*float32, bf16, int8, auto"):
+        cpu_math.requested()
+    monkeypatch.delenv(cpu_math.ENV)
+    assert cpu_math.requested() == "auto"
+    with pytest.raises(ValueError, match="unknown CPU math 'int4'"):
+        cpu_math.choose(((8, 8),), "int4")
+
+
+def test_auto_keeps_the_fastest_allowed_path_and_measures_once_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("NIGHTSHIFT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_math.ENV, raising=False)
+    monkeypatch.setattr(cpu_math, "supported", lambda: ("float32", "bf16", "int8"))
+    timed = []
+    fake = {"float32": 1.0, "bf16": 0.5, "int8": 0.1}
+
+    def time_math(shapes, math):
+        timed.append(math)
+        return fake[math]
+    monkeypatch.setattr(cpu_math, "_time_math", time_math)
+    choice = cpu_math.choose(((64, 32), (32, 64)))
+    # int8 is fastest but drifts more than HF bf16 on the quality prompts: never chosen by auto
+    assert choice.math == "bf16" and choice.reason == "measured" and "int8" not in choice.seconds
+    assert sorted(timed) == ["bf16", "float32"]
+    assert cpu_math.choose(((64, 32), (32, 64))) == choice and len(timed) == 2     # from the disk cache
+    fake["bf16"] = 0.97                                                           # not MARGIN faster
+    assert cpu_math.choose(((64, 64),)).math == "float32"
+
+
+def test_auto_measures_real_paths_on_this_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("NIGHTSHIFT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_math.ENV, raising=False)
+    choice = cpu_math.choose(((96, 64), (64, 96)))
+    candidates = [m for m in cpu_math.AUTO_MATHS if m in cpu_math.supported()]
+    assert choice.math in candidates
+    if len(candidates) > 1:
+        assert set(choice.seconds) == set(candidates) and all(s > 0 for s in choice.seconds.values())
+        assert choice.describe().startswith(f"{choice.math} (measured: float32 ")
+
+
+TEXTS = ("The moon is Earth's only natural satellite. It orbits at an average distance of about 384,400 "
+         "kilometres and always shows the same face to us, because its rotation is tidally locked.",
+         "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to make "
+         "glucose and oxygen. It takes place mostly in the leaves, inside the chloroplasts, and it feeds "
+         "almost every food chain on land.",
+         "A binary search tree keeps its keys in order: every key in a node's left subtree is smaller than the "
+         "node's key and every key in its right subtree is larger, so a lookup halves the search each step.",
+         "Honeybees live in colonies of tens of thousands of workers, a few hundred drones and one queen. The "
+         "workers gather nectar and pollen, build the comb, guard the entrance and care for the young.")
+
+
+@pytest.mark.parametrize("math", [m for m in supported_maths() if m.values[0] != "float32"])
+def test_the_real_model_on_each_path_follows_float32(math, fp32_model, default_model_path):
+    """Teacher-forced next-token choices of the default model on another path agree with the
+    float32 path's (bench.quality --maths measures the drift against HF float32 in full)."""
+    from nightshift.engine.loader import load_model
+    from nightshift.engine.model_runner import ModelRunner
+    from nightshift.engine.step import StepItem
+    from nightshift.engine.tokenizer import load_tokenizer
+
+    model = load_model(default_model_path, dtype=torch.float32, cpu_math=math)
+    assert model.cpu_math == cpu_math.Choice(math, "forced")
+    tokenizer = load_tokenizer(default_model_path)
+    texts = [tokenizer.encode(text) for text in TEXTS]
+    prompts, forced = [t[:10] for t in texts], [t[10:34] for t in texts]
+    assert all(len(f) == 24 for f in forced)
+    choices = {}
+    for name, net in (("float32", fp32_model), (math, model)):
+        runner = ModelRunner(net, num_kv_blocks=24, block_size=16)
+        tables = [list(range(6 * i, 6 * i + 6)) for i in range(4)]
+        items = [StepItem(p, 0, t) for p, t in zip(prompts, tables)]
+        steps = []
+        for step in range(24):
+            steps.append(runner.execute(items).argmax(-1))
+            items = [StepItem([f[step]], len(p) + step, t) for f, p, t in zip(forced, prompts, tables)]
+        choices[name] = torch.stack(steps)
+    agreement = (choices["float32"] == choices[math]).float().mean().item()
+    assert agreement >= {"bf16": 0.9, "int8": 0.75}[math], agreement
+    from nightshift.engine.engine import Engine
+    engine = Engine.from_model(model, tokenizer, "m", max_num_seqs=2, num_kv_blocks=8)
+    assert engine.compute == f"cpu float32, CPU math {math} (forced)"
