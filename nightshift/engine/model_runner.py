@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from nightshift.engine.attention import AttentionOptions, select_attention_backend
+from nightshift.engine.cpu_allocator import keep_large_allocations
 from nightshift.engine.engine_config import DEFAULT_BLOCK_SIZE
 from nightshift.engine.kv_cache import allocate_kv_caches, kv_bytes_per_block
 from nightshift.engine.model_config import ModelConfig
@@ -35,6 +36,8 @@ class ModelRunner:
         self.attention = select_attention_backend(self.config, block_size, self.dtype, self.device,
                                                   AttentionOptions(**attention_options))
         self.kv_caches = allocate_kv_caches(self.config, num_kv_blocks, block_size, self.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_large_allocations()      # a step's big temporaries reused, not page-faulted anew
 
     @property
     def kv_bytes_per_block(self) -> int:
