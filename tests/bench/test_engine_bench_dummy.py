@@ -29,4 +29,4 @@ def test_bench_dummy_weights_reports_throughput_ratio_and_roofline():
     assert roofline.decode.tokens == 3 and roofline.decode.label.startswith("decode batch 3 ctx ")
     assert roofline.decode.utilisation > 0 and roofline.prefill.utilisation > 0
     assert (roofline.prefill.label, roofline.prefill.tokens) == ("prefill 1 x 64", 64)
-    assert [r.batch_size for r in report.hf] == [1] and report.ratio > 0
+    assert [r.batch_size for r in report.peers] == [1] and report.ratio > 0

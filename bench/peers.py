@@ -1,0 +1,186 @@
+"""The systems a CPU user would run instead of us, on bench.engine's workload and token ids.
+
+Each peer is timed at several static batch sizes (one batch of that many requests each, greedy,
+exactly `output_len` new tokens per request, EOS ignored) and reported per size as a
+`PeerResult`; bench.engine compares our engine with the fastest.
+
+* ``hf-float32``, ``hf-bfloat16``: transformers' ``generate`` (bench/engine.py runs those).
+* ``ct2``: CTranslate2 (the ``bench`` extra installs it). The model is converted through
+  transformers into a temporary folder (weights int8), then run as ``int8`` (int8 x int8 with
+  float32 or bf16 elsewhere, as the CPU allows: CTranslate2 reports it as ``int8_float32`` on a
+  CPU without bf16 kernels) and in its fastest other compute type on this CPU.
+* ``llamacpp``: llama.cpp through ``llama-cpp-python`` on the model's own GGUF file, where that
+  package is installed (one sequence at a time: its Python binding has no batched generate).
+"""
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+PEERS = ("hf-float32", "hf-bfloat16", "ct2", "llamacpp")
+# CTranslate2's compute types on CPU, fastest first where the CPU has them (after int8 itself)
+CT2_OTHER_TYPES = ("int8_bfloat16", "bfloat16", "int8_float32", "float32")
+
+
+@dataclass
+class PeerResult:
+    system: str               # e.g. "HF bfloat16", "CTranslate2 int8"
+    batch_size: int
+    requests: int
+    seconds: float
+    output_tokens: int
+    prompt_tokens: int
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def parse_peers(text: str) -> list[str]:
+    """A comma list of PEERS (``hf`` stands for both HF dtypes), in order, without repeats."""
+    chosen: list[str] = []
+    for name in (part.strip() for part in text.split(",") if part.strip()):
+        names = ["hf-float32", "hf-bfloat16"] if name == "hf" else [name]
+        for one in names:
+            if one not in PEERS:
+                raise ValueError(f"unknown peer {one!r}; choose from hf, {', '.join(PEERS)}")
+            if one not in chosen:
+                chosen.append(one)
+    return chosen
+
+
+def available(peer: str) -> Optional[str]:
+    """None where `peer` can run here, else why not (its package is missing)."""
+    package = {"ct2": "ctranslate2", "llamacpp": "llama_cpp"}.get(peer)
+    if package is not None and importlib.util.find_spec(package) is None:
+        extra = "pip install -e '.[bench]'" if peer == "ct2" else "pip install llama-cpp-python"
+        return f"{package} is not installed ({extra})"
+    return None
+
+
+def ct2_model(model: str, folder: Path) -> Path:
+    """`model` converted for CTranslate2 (int8 weights) under `folder`, through transformers: the
+    float32 weights our loader cached, saved as a transformers checkpoint with the tokenizer."""
+    import ctranslate2.converters
+
+    from bench.engine import hf_model_from_cache
+
+    hf_dir, out_dir = folder / "transformers", folder / "ct2"
+    hf_model_from_cache(model, torch.float32).save_pretrained(hf_dir)
+    hf_tokenizer(model).save_pretrained(hf_dir)
+    ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(out_dir), quantization="int8",
+                                                                      force=True)
+    return out_dir
+
+
+def hf_tokenizer(model: str):
+    """transformers' tokenizer of `model`: its folder's own, or, for a GGUF file, the
+    tokenizer.json and special tokens our cache entry holds."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from nightshift.engine.model_files import cache_entry, resolve_model
+
+    source = Path(resolve_model(model))
+    if source.is_dir():
+        return AutoTokenizer.from_pretrained(str(source))
+    entry = cache_entry(str(source), None)
+    special = json.loads((entry / "tokenizer_meta.json").read_text()).get("special_tokens", {})
+    return PreTrainedTokenizerFast(tokenizer_file=str(entry / "tokenizer.json"), **special)
+
+
+def token_text(model: str) -> Callable[[int], str]:
+    """Token id -> its vocabulary string (CTranslate2 takes prompts as those)."""
+    return hf_tokenizer(model).convert_ids_to_tokens
+
+
+def ct2_compute_types() -> list[str]:
+    """int8 and the fastest other compute type this CPU has (CTranslate2's own list)."""
+    import ctranslate2
+
+    supported = ctranslate2.get_supported_compute_types("cpu")
+    other = next((t for t in CT2_OTHER_TYPES if t in supported), None)
+    return ["int8"] + ([other] if other else [])
+
+
+def run_ct2(model_dir: Path, compute_type: str, prompts: list[list[int]], output_len: int, batch_size: int,
+            threads: int, id_to_token: Callable[[int], str]) -> tuple[float, int, int]:
+    """One CTranslate2 run over `prompts` at `batch_size`: (seconds, output tokens, prompt tokens)."""
+    import ctranslate2
+
+    generator = ctranslate2.Generator(str(model_dir), device="cpu", compute_type=compute_type,
+                                      intra_threads=threads)
+    tokens = [[id_to_token(i) for i in p] for p in prompts]
+    start = time.time()
+    results = generator.generate_batch(tokens, max_batch_size=batch_size, max_length=output_len,
+                                       min_length=output_len, sampling_topk=1, include_prompt_in_result=False)
+    seconds = time.time() - start
+    return seconds, sum(len(r.sequences_ids[0]) for r in results), sum(len(p) for p in prompts)
+
+
+def ct2_greedy(model_dir: Path, compute_type: str, prompt: list[int], output_len: int,
+               id_to_token: Callable[[int], str]) -> list[int]:
+    """CTranslate2's greedy continuation of one prompt (EOS ignored), as token ids."""
+    import ctranslate2
+
+    generator = ctranslate2.Generator(str(model_dir), device="cpu", compute_type=compute_type)
+    result = generator.generate_batch([[id_to_token(i) for i in prompt]], max_length=output_len,
+                                      min_length=output_len, sampling_topk=1, include_prompt_in_result=False)
+    return list(result[0].sequences_ids[0])
+
+
+def ct2_results(model: str, prompts: list[list[int]], output_len: int, sizes: list[int], threads: int,
+                id_to_token: Callable[[int], str], log=print) -> list[PeerResult]:
+    """CTranslate2 in int8 and its fastest other compute type, at each batch size."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="nightshift-ct2-") as folder:
+        started = time.time()
+        model_dir = ct2_model(model, Path(folder))
+        log(f"converted for CTranslate2 (int8 weights) in {time.time() - started:.1f} s")
+        for compute_type in ct2_compute_types():
+            for size in sizes:
+                seconds, produced, prompt_tokens = run_ct2(model_dir, compute_type, prompts[:size], output_len,
+                                                           size, threads, id_to_token)
+                results.append(PeerResult(f"CTranslate2 {compute_type}", size, size, seconds, produced,
+                                          prompt_tokens))
+                log(describe(results[-1]))
+    return results
+
+
+def llamacpp_results(model: str, prompts: list[list[int]], output_len: int, requests: int, threads: int,
+                     log=print) -> list[PeerResult]:
+    """llama.cpp on the model's GGUF file, `requests` prompts one after another (batch 1)."""
+    from llama_cpp import Llama
+
+    from nightshift.engine.model_files import resolve_model
+
+    path = resolve_model(model)
+    if Path(path).is_dir():
+        raise ValueError("llama.cpp runs GGUF files; this model is a Hugging Face folder")
+    llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, verbose=False)
+    produced, prompt_tokens, start = 0, 0, time.time()
+    for prompt in prompts[:requests]:
+        llm.reset()
+        count = 0
+        for token in llm.generate(prompt, top_k=1, temp=0.0):
+            count += 1
+            if count == output_len:
+                break
+        produced += count
+        prompt_tokens += len(prompt)
+    result = PeerResult("llama.cpp", 1, requests, time.time() - start, produced, prompt_tokens)
+    log(describe(result))
+    return [result]
+
+
+def describe(result: PeerResult) -> str:
+    return (f"{result.system:24s} batch {result.batch_size:3d}: {result.requests} requests in "
+            f"{result.seconds:6.1f} s   output tok/s {result.output_tps:8.1f}   total tok/s "
+            f"{(result.output_tokens + result.prompt_tokens) / result.seconds:8.1f}")
