@@ -6,9 +6,9 @@ exactly `output_len` new tokens per request, EOS ignored) and reported per size 
 
 * ``hf-float32``, ``hf-bfloat16``: transformers' ``generate`` (bench/engine.py runs those).
 * ``ct2``: CTranslate2 (the ``bench`` extra installs it). The model is converted through
-  transformers into a temporary folder (weights int8), then run as ``int8`` (int8 x int8 with
-  float32 or bf16 elsewhere, as the CPU allows: CTranslate2 reports it as ``int8_float32`` on a
-  CPU without bf16 kernels) and in its fastest other compute type on this CPU.
+  transformers into a temporary folder (weights int8), then run as ``int8`` (int8 matmuls, float32
+  elsewhere) and in its fastest other compute type on this CPU (``int8_bfloat16`` or
+  ``bfloat16`` where it has bf16 kernels, else ``float32``).
 * ``llamacpp``: llama.cpp through ``llama-cpp-python`` on the model's own GGUF file, where that
   package is installed (one sequence at a time: its Python binding has no batched generate).
 """
@@ -24,8 +24,9 @@ from typing import Callable, Optional
 import torch
 
 PEERS = ("hf-float32", "hf-bfloat16", "ct2", "llamacpp")
-# CTranslate2's compute types on CPU, fastest first where the CPU has them (after int8 itself)
-CT2_OTHER_TYPES = ("int8_bfloat16", "bfloat16", "int8_float32", "float32")
+# CTranslate2's other compute types on CPU, fastest first where the CPU has them ("int8" itself
+# is int8_float32: int8 matmuls, float32 elsewhere)
+CT2_OTHER_TYPES = ("int8_bfloat16", "bfloat16", "float32")
 
 
 @dataclass
@@ -110,9 +111,10 @@ def ct2_compute_types() -> list[str]:
     return ["int8"] + ([other] if other else [])
 
 
-def run_ct2(model_dir: Path, compute_type: str, prompts: list[list[int]], output_len: int, batch_size: int,
-            threads: int, id_to_token: Callable[[int], str]) -> tuple[float, int, int]:
-    """One CTranslate2 run over `prompts` at `batch_size`: (seconds, output tokens, prompt tokens)."""
+def _ct2_generate(model_dir: Path, compute_type: str, prompts: list[list[int]], output_len: int,
+                  batch_size: int, threads: int, id_to_token: Callable[[int], str]) -> tuple[float, list[list[int]]]:
+    """(seconds, each prompt's `output_len` greedy tokens with EOS suppressed) of one
+    generate_batch call (the model load not timed)."""
     import ctranslate2
 
     generator = ctranslate2.Generator(str(model_dir), device="cpu", compute_type=compute_type,
@@ -121,19 +123,20 @@ def run_ct2(model_dir: Path, compute_type: str, prompts: list[list[int]], output
     start = time.time()
     results = generator.generate_batch(tokens, max_batch_size=batch_size, max_length=output_len,
                                        min_length=output_len, sampling_topk=1, include_prompt_in_result=False)
-    seconds = time.time() - start
-    return seconds, sum(len(r.sequences_ids[0]) for r in results), sum(len(p) for p in prompts)
+    return time.time() - start, [list(r.sequences_ids[0]) for r in results]
+
+
+def run_ct2(model_dir: Path, compute_type: str, prompts: list[list[int]], output_len: int, batch_size: int,
+            threads: int, id_to_token: Callable[[int], str]) -> tuple[float, int, int]:
+    """One CTranslate2 run over `prompts` at `batch_size`: (seconds, output tokens, prompt tokens)."""
+    seconds, outputs = _ct2_generate(model_dir, compute_type, prompts, output_len, batch_size, threads, id_to_token)
+    return seconds, sum(len(o) for o in outputs), sum(len(p) for p in prompts)
 
 
 def ct2_greedy(model_dir: Path, compute_type: str, prompt: list[int], output_len: int,
                id_to_token: Callable[[int], str]) -> list[int]:
-    """CTranslate2's greedy continuation of one prompt (EOS ignored), as token ids."""
-    import ctranslate2
-
-    generator = ctranslate2.Generator(str(model_dir), device="cpu", compute_type=compute_type)
-    result = generator.generate_batch([[id_to_token(i) for i in prompt]], max_length=output_len,
-                                      min_length=output_len, sampling_topk=1, include_prompt_in_result=False)
-    return list(result[0].sequences_ids[0])
+    """CTranslate2's greedy continuation of one prompt (EOS suppressed), as token ids."""
+    return _ct2_generate(model_dir, compute_type, [prompt], output_len, 1, 0, id_to_token)[1][0]
 
 
 def ct2_results(model: str, prompts: list[list[int]], output_len: int, sizes: list[int], threads: int,

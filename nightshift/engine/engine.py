@@ -106,7 +106,7 @@ class Engine:
         model = self.runner.model
         where = f"{model.embed_tokens.device.type} {str(model.dtype).removeprefix('torch.')}"
         choice = getattr(model, "cpu_math", None)
-        if choice is None or choice.reason == "not a float32 CPU model":
+        if choice is None:
             return where
         return f"{where}, CPU math {choice.describe()}"
 

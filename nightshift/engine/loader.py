@@ -108,7 +108,8 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
 
     A float32 model on CPU multiplies through the CPU math of engine/layers/cpu_math.py:
     `cpu_math` (float32, bf16, int8, auto) or, when None, NIGHTSHIFT_CPU_MATH (default auto:
-    measured on this model's shapes). The choice is logged and kept as `model.cpu_math`.
+    measured on this model's shapes). The choice is logged and kept as `model.cpu_math` (None
+    for other models).
 
     With a quant_config the projections it quantizes are INT4, built by an Int4LinearFactory over
     the quantized-weight cache of this source and config (engine/quant/cache.py): layers found
@@ -118,8 +119,9 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
     checkpoint = load_checkpoint(model, cache_dir)
     dtype = dtype or torch.float32
     choice = choose_cpu_math(checkpoint.config, dtype, device, cpu_math)
+    math = choice.math if choice else "float32"      # the math of float32 CPU layers, if any
     if quant_config is None:
-        net = build_model(checkpoint, dtype=dtype, device=device, linear=DenseLinearFactory(choice.math))
+        net = build_model(checkpoint, dtype=dtype, device=device, linear=DenseLinearFactory(math))
         net.cpu_math = choice
         return net
 
@@ -130,18 +132,18 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
     cache = QuantizedCheckpointCache(cache_file(cache_root(cache_dir), source_fingerprint(resolve_model(model)),
                                                 quant_config))
     net = build_model(checkpoint, dtype=dtype, device=device,
-                      linear=Int4LinearFactory(quant_config, cache, calibrate, math=choice.math))
+                      linear=Int4LinearFactory(quant_config, cache, calibrate, math=math))
     cache.save_if_changed()
     net.cpu_math = choice
     return net
 
 
 def choose_cpu_math(config: ModelConfig, dtype: torch.dtype, device: str,
-                    requested: Optional[str] = None) -> cpu_math.Choice:
-    """The CPU math of a model (engine/layers/cpu_math.py); "float32" ("not a float32 CPU
-    model") where there is none to choose: the layers then run in the model's dtype."""
+                    requested: Optional[str] = None) -> Optional[cpu_math.Choice]:
+    """The CPU math of a float32 CPU model (engine/layers/cpu_math.py), None for other models
+    (their layers run in the model's dtype)."""
     if torch.device(device).type != "cpu" or dtype != torch.float32:
-        return cpu_math.Choice("float32", "not a float32 CPU model")
+        return None
     start = time.perf_counter()
     choice = cpu_math.choose(config.projection_shapes, requested)
     log.info("CPU math: %s, chosen in %.2f s", choice.describe(), time.perf_counter() - start)

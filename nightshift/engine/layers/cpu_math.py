@@ -28,6 +28,7 @@ when asked for.
 from __future__ import annotations
 
 import fcntl
+from abc import ABC, abstractmethod
 import functools
 import hashlib
 import json
@@ -75,21 +76,22 @@ def _int_mm_works() -> bool:
     return bool((out == 8).all())
 
 
-class MathWeight:
+class MathWeight(ABC):
     """A layer's weight held for one path; ``linear(x, bias)`` is ``x @ W.T (+ bias)`` in float32."""
 
     math: str
 
+    @abstractmethod
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        raise NotImplementedError
+        """``x @ W.T (+ bias)``, float32 in and out."""
 
+    @abstractmethod
     def dense(self) -> torch.Tensor:
         """The weight as a float32 tensor (for inspection; the int8 path gives its rounded values)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def nbytes(self) -> int:
         """Bytes a multiplication reads of this weight."""
-        raise NotImplementedError
 
 
 class Float32Weight(MathWeight):

@@ -148,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.cpu_math: Optional[cpu_math.Choice] = None    # how its CPU layers multiply, set by the loader
+        self.cpu_math: Optional[cpu_math.Choice] = None    # how its float32 CPU layers multiply (the loader sets it)
         device = torch.device(device)
 
         def tensor(name: str) -> torch.Tensor:
