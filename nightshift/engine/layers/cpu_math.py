@@ -13,8 +13,14 @@ model (residual stream, norms, RoPE, attention, KV cache, logits) stays float32 
   (``torch._int_mm``: oneDNN's VNNI ``vpdpbusd`` / AMX int8 kernels) and rescales to float32.
   Per-row scales keep every row's result independent of the other rows of the step.
 
-Every path's row results are independent of how many rows a step has (checked by
-tests/engine/test_cpu_math.py), so an answer does not depend on the batch around it.
+A row's result is independent of how many rows a step has (``row_independent``; checked by
+tests/engine/test_cpu_math.py), so an answer does not depend on the batch around it, on every
+path but one: bf16 on a CPU with AMX tiles. There oneDNN picks its kernel and blocking by the
+call's row count (up to 32 rows and beyond run differently), so a row's last bits move with the
+batch (measured on a 2-core Xeon, on one thread and on two: most row counts up to 1,024 differ
+from a 1,024-row call in some rows; calls of one fixed 64-row size do not, but cost 10-50% more on
+the model's shapes). A bfloat16 model's ``F.linear`` there (the
+engine's default dtype with AMX) behaves the same way, as HF's bfloat16 does.
 
 ``NIGHTSHIFT_CPU_MATH=float32|bf16|int8|auto`` (default auto) forces a path. ``auto`` keeps the
 fastest of the paths this CPU runs natively (``supported``) among ``AUTO_MATHS``, timed on the
@@ -38,7 +44,7 @@ from typing import Optional
 
 import torch
 
-from nightshift.engine.cpu_features import cpu_flags, cpu_has_bf16_dot, cpu_has_int8_dot
+from nightshift.engine.cpu_features import cpu_flags, cpu_has_bf16_dot, cpu_has_int8_dot, cpu_has_native_bf16
 from nightshift.engine.kernels.c_library import cache_dir
 from nightshift.engine.layers import cpu_gemm
 
@@ -47,6 +53,12 @@ AUTO_MATHS = ("float32", "bf16")
 ENV = "NIGHTSHIFT_CPU_MATH"
 MARGIN = 0.05
 PROBE_ROWS = (16, 256)        # a small decode step and a full one (the default max_num_seqs)
+
+
+def row_independent(math: str) -> bool:
+    """Whether a row's result on `math` is bit-identical whatever other rows share the call, on
+    this CPU (see the module docstring)."""
+    return not (math == "bf16" and cpu_has_native_bf16())
 
 
 def requested() -> str:
