@@ -438,9 +438,8 @@ def run(args: argparse.Namespace, log=print) -> BenchReport:
             report.peers += ct2_results(args.model, prompts, output_len, hf_sizes, args.threads,
                                         token_text(args.model), log)
         else:
-            log("\n== llama.cpp (llama-cpp-python, one request at a time) ==")
-            report.peers += llamacpp_results(args.model, prompts, output_len, max(1, min(hf_sizes)) * 4,
-                                             args.threads, log)
+            log("\n== llama.cpp (llama-cpp-python, the model's GGUF file, batched decode) ==")
+            report.peers += llamacpp_results(args.model, prompts, output_len, hf_sizes, args.threads, log)
     best = report.best_peer
     if best is None:
         return report
