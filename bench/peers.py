@@ -184,6 +184,8 @@ def _llamacpp_generate(path: str, prompts: list[list[int]], output_len: int, bat
     # runs its AVX-512 / VNNI dot products (its weight repacking covers Q4_0, IQ4_NL and Q8_0)
     model_params.use_extra_bufts = False
     model = lc.llama_model_load_from_file(path.encode(), model_params)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
     n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
     longest = max(len(p) for p in prompts) + output_len
     params = lc.llama_context_default_params()
@@ -196,8 +198,9 @@ def _llamacpp_generate(path: str, prompts: list[list[int]], output_len: int, bat
     # against 70.2 / 75.8 at 8 / 32 (Xeon with AMX, 2 cores)
     params.kv_unified = False
     ctx = lc.llama_init_from_model(model, params)
-    if not model or not ctx:
-        raise RuntimeError(f"llama.cpp could not load {path}")
+    if not ctx:
+        lc.llama_model_free(model)
+        raise RuntimeError(f"llama.cpp could not make a context of {params.n_ctx} positions for {path}")
     batch = lc.llama_batch_init(max(params.n_batch, batch_size), 0, 1)
 
     def decode(items: list[tuple[int, int, int, bool]]) -> np.ndarray:

@@ -19,8 +19,8 @@ path but one: bf16 on a CPU with AMX tiles. There oneDNN picks its kernel and bl
 call's row count (up to 32 rows and beyond run differently), so a row's last bits move with the
 batch (measured on a 2-core Xeon, on one thread and on two: most row counts up to 1,024 differ
 from a 1,024-row call in some rows; calls of one fixed 64-row size do not, but cost 10-50% more on
-the model's shapes). A bfloat16 model's ``F.linear`` there (the
-engine's default dtype with AMX) behaves the same way, as HF's bfloat16 does.
+the model's shapes). A bfloat16 model's ``F.linear`` there (the engine's default dtype with AMX)
+behaves the same way, as HF's bfloat16 does.
 
 ``NIGHTSHIFT_CPU_MATH=float32|bf16|int8|auto`` (default auto) forces a path. ``auto`` keeps the
 fastest of the paths this CPU runs natively (``supported``) among ``AUTO_MATHS``, timed on the
