@@ -37,6 +37,10 @@ DUMMY_SHAPES: dict[str, dict] = {
                      intermediate_size=14336, vocab_size=128256, rope_theta=500000.0,
                      max_position_embeddings=131072, tie_word_embeddings=False,
                      rope_scaling={**_LLAMA3_ROPE, "factor": 8.0}),
+    # SmolLM2-135M, the default model (its GGUF is too large to carry to a lent GPU in one call)
+    "smollm2-135m": dict(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                         intermediate_size=1536, vocab_size=49152, rope_theta=100000.0,
+                         max_position_embeddings=8192, tie_word_embeddings=True),
     # a few-MB shape for tests of the dummy path itself
     "llama-tiny": dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, vocab_size=49152, rope_theta=10000.0,

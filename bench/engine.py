@@ -340,6 +340,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hf-dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs of decode steps")
     parser.add_argument("--hf-batch-sizes", default=None, help="comma list (default 1,8,32,64; --quick 1,8,32)")
     parser.add_argument("--hf-requests", type=int, default=None,
                         help="requests per HF batch size (default: one batch of that size; at least one)")
@@ -365,7 +366,8 @@ def run(args: argparse.Namespace, log=print) -> BenchReport:
     torch.set_num_threads(args.threads)
 
     device = resolve_device(args.device)
-    config = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    config = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+              "enforce_eager": args.enforce_eager or None}
     if args.kv_cache_gib is not None:
         config["kv_cache_bytes"] = int(args.kv_cache_gib * 2**30)
     t0 = time.time()
@@ -390,7 +392,9 @@ def run(args: argparse.Namespace, log=print) -> BenchReport:
     log(f"workload: {num_requests} requests, prompt tokens min/mean/max {min(lengths)}/"
         f"{sum(lengths) / len(lengths):.0f}/{max(lengths)}, {output_len} output tokens each, EOS ignored")
 
-    run_engine(engine, prompts[:2], 2)  # warm-up (first-call allocations); not counted
+    # warm-up, not counted: first-call allocations; on CUDA also the Triton compiles, the INT4 kernel
+    # choices of every step size the workload makes and the CUDA graphs of its decode batches
+    run_engine(engine, prompts if device.startswith("cuda") else prompts[:2], 2)
     engine.reset_prefix_cache()         # every run starts from an empty prefix cache
     result = run_engine(engine, prompts, output_len)
     report = BenchReport(engine.model_name, engine.runner.num_kv_blocks, lengths, output_len, result)

@@ -1,10 +1,18 @@
-"""Time the CPU INT4 kernel against the dense matmul per step size (rows M).
+"""Time the INT4 kernels against the dense matmul per step size (rows M).
 
     python -m bench.quant_kernels [--threads 1] [--dtype bfloat16] [--group-size 32]
+    python -m bench.quant_kernels --device cuda [--shapes llama-8b] [--group-size 128]
 
-Shapes are SmolLM2-135M's per-layer projections (qkv 960x576, o 576x576, gate_up 3072x576,
+CPU: shapes are SmolLM2-135M's per-layer projections (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536). Prints ms per step for: tinygemm int4, dense with the cached dequantized
 weight, and dense dequantizing on every call. Used to set DEFAULT_CPU_INT4_MAX_ROWS.
+
+CUDA: one decoder layer's projections (qkv, o, gate_up, down) of the named shape, several
+distinct layers so the weights come from memory, not L2. Per M: microseconds per layer of
+cuBLAS bf16, of our INT4 kernels as the dispatcher chose them (engine/quant/int4_dispatch.py,
+which times its candidates on the first call of each shape and M bucket), their GB/s and
+TFLOP/s and speed-up over bf16, and torch's CUDA tinygemm (`_weight_int4pack_mm`); then what was
+chosen per shape and the runners-up.
 """
 from __future__ import annotations
 
@@ -28,16 +36,109 @@ def _time(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
+CUDA_SHAPES = {   # one layer's (out_features, in_features): qkv, o, gate_up, down
+    "llama-8b": ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)),
+    "llama-1b": ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192)),
+    "smollm2-135m": SHAPES,
+}
+
+
+def _cuda_time_us(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _tinygemm_cuda(w, dtype):
+    """torch's CUDA int4 kernel's forms of our weight (its nibble order: even channel high)."""
+    swapped = ((w.qweight & 0xF) << 4) | (w.qweight >> 4)
+    packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), 8)
+    return packed, tinygemm_scales_and_zeros(w, dtype)
+
+
+def cuda_main(args) -> None:
+    from nightshift.engine.quant.int4_dispatch import choose, int4_matmul, m_bucket, timings
+    dtype = getattr(torch, args.dtype)
+    device = torch.device("cuda")
+    shapes = CUDA_SHAPES[args.shapes]
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(args.layers):
+        for n, k in shapes:
+            w = quantize_rtn(torch.randn(n, k) * 0.02, args.group_size).to(device)
+            try:
+                tiny = _tinygemm_cuda(w, dtype)
+            except Exception:         # noqa: BLE001 - a torch build without the CUDA int4 kernel
+                tiny = None
+            layers.append((w, w.dequantize(dtype), tiny))
+    int4_bytes = sum(w.nbytes() for w, _, _ in layers) / args.layers
+    flops_per_row = 2 * sum(n * k for n, k in shapes)
+    print(f"{torch.cuda.get_device_name()}: {args.shapes} layer {[f'{n}x{k}' for n, k in shapes]}, "
+          f"group {args.group_size}, {args.dtype}, {args.layers} distinct layers; us per layer (median of "
+          f"{args.repeats})")
+    print(f"{'M':>5} {'cuBLAS bf16':>11} {'ours int4':>10} {'GB/s':>7} {'TFLOP/s':>8} {'vs bf16':>8} {'tinygemm':>9}")
+    rows = [int(r) for r in args.rows.split(",")]
+    for m in rows:
+        xs = {k: torch.randn(m, k, dtype=dtype, device=device) for _, k in shapes}
+        for w, _, _ in layers:
+            choose(xs[w.in_features], w.qweight, w.scales, w.mins, w.group_size)   # the dispatcher times here
+
+        def dense():
+            for w, dense_w, _ in layers:
+                F.linear(xs[w.in_features], dense_w)
+
+        def ours():
+            for w, _, _ in layers:
+                int4_matmul(xs[w.in_features], w.qweight, w.scales, w.mins, w.group_size)
+
+        def tinygemm():
+            for w, _, (packed, sz) in layers:
+                torch.ops.aten._weight_int4pack_mm(xs[w.in_features], packed, w.group_size, sz)
+
+        t_dense = _cuda_time_us(dense, args.repeats) / args.layers
+        t_ours = _cuda_time_us(ours, args.repeats) / args.layers
+        t_tiny = (_cuda_time_us(tinygemm, args.repeats) / args.layers
+                  if all(t is not None for _, _, t in layers) and dtype == torch.bfloat16 else float("nan"))
+        moved = int4_bytes + 2 * m * sum(n + k for n, k in shapes)
+        print(f"{m:>5} {t_dense:>11.1f} {t_ours:>10.1f} {moved / t_ours / 1e3:>7.0f} "
+              f"{flops_per_row * m / t_ours / 1e6:>8.1f} {t_dense / t_ours:>7.2f}x {t_tiny:>9.1f}")
+    print("chosen per shape and M bucket (us of the three fastest candidates, L2 flushed):")
+    for m in rows:
+        for n, k in shapes:
+            key = (str(device), n, k, args.group_size, dtype, m_bucket(m))
+            best = ", ".join(f"{c.describe()} {t * 1e3:.1f}" for t, c in timings(key)[:3])
+            print(f"  M={m:<5} {n}x{k}: {best}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--group-size", type=int, default=32)
-    ap.add_argument("--rows", default="1,2,4,8,12,16,32,64,256")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--layers", type=int, default=30,
-                    help="distinct layer sets (30 = the whole model, so weights come from memory, not cache)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    ap.add_argument("--group-size", type=int, default=None, help="default: 32 on CPU, 128 on CUDA")
+    ap.add_argument("--rows", default=None, help="default: 1,2,4,8,12,16,32,64,256 (CPU), "
+                    "1,2,4,8,16,32,64,128,256,512,2048 (CUDA)")
+    ap.add_argument("--repeats", type=int, default=None, help="default: 5 (CPU), 20 (CUDA)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="distinct layer sets (default: 30 on CPU = the whole model, 4 on CUDA: more than L2)")
+    ap.add_argument("--shapes", default="llama-8b", choices=sorted(CUDA_SHAPES), help="CUDA: the layer shape")
     args = ap.parse_args(argv)
+    cuda = args.device == "cuda"
+    args.group_size = args.group_size or (128 if cuda else 32)
+    args.rows = args.rows or ("1,2,4,8,16,32,64,128,256,512,2048" if cuda else "1,2,4,8,12,16,32,64,256")
+    args.repeats = args.repeats or (20 if cuda else 5)
+    args.layers = args.layers or (4 if cuda else 30)
+    if cuda:
+        cuda_main(args)
+        return
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)

@@ -128,6 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--peak-bandwidth", type=float, help="bytes/s (default: by CUDA device name)")
     parser.add_argument("--peak-flops", type=float, help="dense bf16 FLOP/s (default: by CUDA device name)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs of decode steps")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="CUDA: after the measurements, the decode batch sizes again without CUDA graphs")
     return parser.parse_args(argv)
 
 
@@ -151,7 +154,7 @@ def run(args: argparse.Namespace, log=print) -> RooflineReport:
     load_seconds = time.time() - t0
     blocks = max([b * -(-args.context // args.block_size) for b in batch_sizes] +
                  [args.prefill_prompts * -(-args.prefill_len // args.block_size)])
-    runner = ModelRunner(model, num_kv_blocks=blocks, block_size=args.block_size)
+    runner = ModelRunner(model, num_kv_blocks=blocks, block_size=args.block_size, enforce_eager=args.enforce_eager)
 
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name(torch.device(device))
@@ -165,7 +168,8 @@ def run(args: argparse.Namespace, log=print) -> RooflineReport:
                              f"  (peak {peak.bandwidth / 1e12:.2f} TB/s, {peak.bf16_flops / 1e12:.0f} TFLOP/s bf16)"))
     log(f"model: {model.config.name}  quantization={args.quantization}  dtype={dtype}  "
         f"weights read per step {weights / 2**30:.2f} GiB  load {load_seconds:.1f} s")
-    log(f"KV pool: {blocks} blocks of {args.block_size}, {runner.kv_bytes_per_block * blocks / 2**30:.2f} GiB")
+    log(f"KV pool: {blocks} blocks of {args.block_size}, {runner.kv_bytes_per_block * blocks / 2**30:.2f} GiB; "
+        f"decode steps {'eager' if runner.graphs is None else 'replayed from CUDA graphs'}")
     report = RooflineReport(name, peak, weights, blocks, [], None)
     for batch in batch_sizes:
         report.decode.append(measure_decode(runner, batch, args.context, args.steps, peak))
@@ -173,6 +177,11 @@ def run(args: argparse.Namespace, log=print) -> RooflineReport:
     if args.prefill_len > 0:
         report.prefill = measure_prefill(runner, args.prefill_prompts, args.prefill_len, args.prefill_repeats, peak)
         log(report.prefill.line("GFLOP/s", "MFU"))
+    if args.compare_eager and runner.graphs is not None:
+        del runner                        # its KV pool freed first: the eager runner gets its own
+        eager = ModelRunner(model, num_kv_blocks=blocks, block_size=args.block_size, enforce_eager=True)
+        for batch in batch_sizes:
+            log(measure_decode(eager, batch, args.context, args.steps, peak).line("GB/s", "MBU") + "  (eager)")
     return report
 
 

@@ -56,6 +56,7 @@ class Settings(BaseSettings):
     engine_max_num_seqs: Optional[int] = None
     engine_max_num_batched_tokens: Optional[int] = None
     engine_num_kv_blocks: Optional[int] = None
+    engine_enforce_eager: Optional[bool] = None  # True: no CUDA graphs of decode steps (debugging)
     default_chat_max_tokens: int = 256           # chat body without max_tokens (clamped to the context)
     default_completion_max_tokens: int = 16      # OpenAI's default for /v1/completions
     # The embedding model of /v1/embeddings batches ("default": all-MiniLM-L6-v2 from the

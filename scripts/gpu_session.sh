@@ -6,11 +6,15 @@
 # transformers; missing pure-Python packages (gguf) may come as wheels in .whl/ (installed to /tmp/site).
 # Stages:
 #   env            GPU, driver and package versions
-#   kernels        kernel + INT4 Triton tests compiled on the GPU (bf16 cases included)
-#   roofline-8b    decode MBU (batch 1..256) and prefill MFU (2k) of an 8B-shaped model, INT4 and bf16
+#   kernels        kernel + INT4 Triton + CUDA-graph tests compiled on the GPU (bf16 cases included)
+#   int4-kernels   our INT4 kernels (as the dispatcher chooses them) vs cuBLAS bf16 and tinygemm per M,
+#                  8B layer shapes, with each shape's chosen configuration and runners-up
+#   roofline-8b    decode MBU (batch 1..256) and prefill MFU (2k) of an 8B-shaped model, INT4 (CUDA graphs,
+#                  then eager) and bf16
 #   bench-8b       engine vs HF generate on the standard workload, 8B-shaped INT4 (random weights)
 #   greedy         greedy tokens vs HF on the default model (bf16, fp32, int4 report)
 #   bench-default  engine vs HF generate on the standard workload, default model, INT4 and bf16
+#   bench-default-shape  the same with random weights of the default model's shape (no GGUF to carry)
 #   roofline-default  decode MBU / prefill MFU of the default model
 #   pipeline       a 2,000 x 64 batch through the embedded service vs the engine alone (target <= 5%
 #                  overhead), and 2,000 x 8 where the pipeline's own cost weighs most
@@ -43,12 +47,14 @@ stage() {  # stage NAME SECONDS CMD...
 for s in "$@"; do
   case $s in
     env) stage env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
-    kernels) stage kernels 240 $PY -m pytest -q -x -p no:cacheprovider tests/engine/kernels tests/engine/quant/test_triton_int4.py ;;
+    kernels) stage kernels 150 $PY -m pytest -q -s -p no:cacheprovider tests/engine/quant/test_triton_int4.py \
+        tests/engine/test_cuda_graphs.py tests/engine/kernels ;;
+    int4-kernels) stage int4-kernels 100 $PY -m bench.quant_kernels --device cuda --shapes llama-8b ;;
     roofline-8b)
       stage roofline-8b 200 $PY -m bench.roofline_bench --dummy-weights llama-8b --quantization int4 --device cuda \
-        --batch-sizes 1,16,64,256 --context 512 --prefill-len 2048 --steps 30
+        --dtype bfloat16 --batch-sizes 1,16,64,256 --context 512 --prefill-len 2048 --steps 30 --compare-eager
       stage roofline-8b 120 $PY -m bench.roofline_bench --dummy-weights llama-8b --quantization none --device cuda \
-        --dtype bfloat16 --batch-sizes 1,64 --context 512 --prefill-len 2048 --steps 30 ;;
+        --dtype bfloat16 --batch-sizes 1,64,256 --context 512 --prefill-len 2048 --steps 30 ;;
     bench-8b) stage bench-8b 300 $PY -m bench.engine --device cuda --dummy-weights llama-8b --tokenizer "$TOKENIZER" \
         --dtype bfloat16 --hf-dtype bfloat16 --quantization int4 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --kv-cache-gib 30 --hf-batch-sizes 1,64,128,256 ;;
@@ -61,6 +67,9 @@ for s in "$@"; do
         stage bench-default 200 $PY -m bench.engine --device cuda --dtype bfloat16 --hf-dtype bfloat16 --quantization $q \
           --max-num-seqs 256 --max-num-batched-tokens 8192 --kv-cache-gib 20 --hf-batch-sizes 1,64,128,256
       done ;;
+    bench-default-shape) stage bench-default-shape 200 $PY -m bench.engine --device cuda --dummy-weights smollm2-135m \
+        --tokenizer "$TOKENIZER" --dtype bfloat16 --hf-dtype bfloat16 --quantization int4 --max-num-seqs 256 \
+        --max-num-batched-tokens 8192 --kv-cache-gib 20 --hf-batch-sizes 64,128,256 ;;
     roofline-default) stage roofline-default 120 $PY -m bench.roofline_bench --model default --device cuda \
         --quantization int4 --batch-sizes 1,64,256 --context 512 --prefill-len 2048 ;;
     pipeline)

@@ -65,7 +65,7 @@ class Engine:
                         max_num_seqs: Optional[int] = None, max_num_batched_tokens: Optional[int] = None,
                         block_size: Optional[int] = None, num_kv_blocks: Optional[int] = None,
                         enable_prefix_caching: Optional[bool] = None, cache_dir: Optional[str] = None,
-                        kv_cache_bytes: Optional[int] = None) -> "Engine":
+                        kv_cache_bytes: Optional[int] = None, enforce_eager: Optional[bool] = None) -> "Engine":
         """Load `model` ("default", a GGUF file or a HF directory) and size the KV pool.
 
         quantization: "int4" (engine/quant/), "none", or a QuantConfig. dtype: None picks by device
@@ -74,7 +74,8 @@ class Engine:
         """
         config = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  block_size=block_size, num_kv_blocks=num_kv_blocks,
-                                 enable_prefix_caching=enable_prefix_caching, kv_cache_bytes=kv_cache_bytes)
+                                 enable_prefix_caching=enable_prefix_caching, kv_cache_bytes=kv_cache_bytes,
+                                 enforce_eager=enforce_eager)
         device = resolve_device(device)
         net = load_model(model, dtype=resolve_dtype(dtype, device), device=device,
                          quant_config=resolve_quant_config(quantization), cache_dir=cache_dir)
@@ -85,18 +86,21 @@ class Engine:
     def from_model(cls, model, tokenizer, model_name: str, max_num_seqs: Optional[int] = None,
                    max_num_batched_tokens: Optional[int] = None, block_size: Optional[int] = None,
                    num_kv_blocks: Optional[int] = None, enable_prefix_caching: Optional[bool] = None,
-                   kv_cache_bytes: Optional[int] = None, config: Optional[EngineConfig] = None) -> "Engine":
+                   kv_cache_bytes: Optional[int] = None, enforce_eager: Optional[bool] = None,
+                   config: Optional[EngineConfig] = None) -> "Engine":
         """An engine with its own KV pool around an already loaded model (several may share one).
         Options as for from_pretrained, or a whole `config`."""
         options = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                        block_size=block_size, num_kv_blocks=num_kv_blocks,
-                       enable_prefix_caching=enable_prefix_caching, kv_cache_bytes=kv_cache_bytes)
+                       enable_prefix_caching=enable_prefix_caching, kv_cache_bytes=kv_cache_bytes,
+                       enforce_eager=enforce_eager)
         if config is None:
             config = EngineConfig.of(**options)
         elif any(value is not None for value in options.values()):
             raise TypeError("give either a config or engine options, not both")
         num_kv_blocks = config.kv_pool_blocks(model.config, model.dtype, model.embed_tokens.device)
-        runner = ModelRunner(model, num_kv_blocks=num_kv_blocks, block_size=config.block_size)
+        runner = ModelRunner(model, num_kv_blocks=num_kv_blocks, block_size=config.block_size,
+                             enforce_eager=config.enforce_eager)
         return cls(runner, tokenizer, model_name, config)
 
     @property
@@ -106,6 +110,8 @@ class Engine:
         model = self.runner.model
         where = f"{model.embed_tokens.device.type} {str(model.dtype).removeprefix('torch.')}"
         choice = getattr(model, "cpu_math", None)
+        if model.embed_tokens.device.type == "cuda":
+            return f"{where}, decode steps {'eager' if self.runner.graphs is None else 'from CUDA graphs'}"
         if choice is None:
             return where
         return f"{where}, CPU math {choice.describe()}"

@@ -33,13 +33,15 @@ class EngineConfig:
     """max_num_seqs, max_num_batched_tokens: the scheduler's per-step budgets (sequences, new tokens).
     block_size: tokens per KV block. enable_prefix_caching: reuse the KV blocks of equal prompt prefixes.
     num_kv_blocks: the KV pool's size; None sizes it by `kv_pool_blocks`.
-    kv_cache_bytes: the pool's memory budget when num_kv_blocks is None; None: default_kv_cache_bytes()."""
+    kv_cache_bytes: the pool's memory budget when num_kv_blocks is None; None: default_kv_cache_bytes().
+    enforce_eager: run every CUDA step eagerly (no CUDA graphs of decode steps, engine/cuda_graphs.py)."""
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
     num_kv_blocks: Optional[int] = None
     kv_cache_bytes: Optional[int] = None
+    enforce_eager: bool = False
 
     @classmethod
     def of(cls, **options) -> "EngineConfig":

@@ -1,6 +1,7 @@
 """ModelRunner: owns the paged KV pool and runs one flat varlen batch through the model per step.
 
-`execute(items)` checks every scheduled sequence's new tokens for this step, asks the attention
+`execute(items)` checks every scheduled sequence's new tokens for this step; a pure decode step
+on CUDA is replayed from a CUDA graph (engine/cuda_graphs.py); otherwise it asks the attention
 backend (chosen once, here, by engine/attention/__init__.py) for the step's metadata, concatenates
 the tokens in the row order that metadata gives, runs the model (which writes the new K/V into the
 pool and attends per sequence over its valid positions only), and returns float32 logits for the
@@ -22,9 +23,11 @@ __all__ = ["ModelRunner", "StepItem"]
 
 class ModelRunner:
     """attention_options: those of AttentionOptions (attention_backend, cpu_kernel, decode_bucket,
-    shared_prefix_attention), which pick and configure `self.attention`."""
+    shared_prefix_attention), which pick and configure `self.attention`. enforce_eager: no CUDA
+    graphs (engine/cuda_graphs.py), which otherwise replay the decode steps on the Triton backend."""
 
-    def __init__(self, model, num_kv_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, **attention_options):
+    def __init__(self, model, num_kv_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, enforce_eager: bool = False,
+                 **attention_options):
         if num_kv_blocks < 1 or block_size < 1:
             raise ValueError(f"num_kv_blocks ({num_kv_blocks}) and block_size ({block_size}) must be >= 1")
         self.model = model
@@ -38,6 +41,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.config, num_kv_blocks, block_size, self.dtype, self.device)
         if self.device.type == "cpu":
             keep_large_allocations()      # a step's big temporaries reused, not page-faulted anew
+        self.graphs = None
+        if self.device.type == "cuda" and self.attention.name == "triton" and not enforce_eager:
+            from nightshift.engine.cuda_graphs import DecodeGraphs      # imports triton: CUDA only
+            self.graphs = DecodeGraphs(model, self.attention, self.kv_caches, block_size, self.max_model_len)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -54,6 +61,8 @@ class ModelRunner:
             raise ValueError("execute() needs at least one StepItem")
         for index, item in enumerate(items):
             self._check(index, item)
+        if self.graphs is not None and self.graphs.fits(items):
+            return self.graphs.run(items)
         meta = self.attention.build_metadata(items)
         token_ids: list[int] = []
         positions: list[int] = []

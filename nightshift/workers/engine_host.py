@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 # so the engine's own default applies: its defaults are written in one place only.
 ENGINE_OPTIONS = {"quantization": "quantization", "device": "device", "engine_max_num_seqs": "max_num_seqs",
                   "engine_max_num_batched_tokens": "max_num_batched_tokens",
-                  "engine_num_kv_blocks": "num_kv_blocks"}
+                  "engine_num_kv_blocks": "num_kv_blocks", "engine_enforce_eager": "enforce_eager"}
 
 _lock = threading.Lock()
 _engine = None

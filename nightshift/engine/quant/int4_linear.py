@@ -1,7 +1,9 @@
 """``Int4Linear``: a linear layer whose weight is stored in our INT4 format.
 
 What runs, chosen per call by ``Int4Linear.kernel_for`` (engine/quant/README.md has the measurements):
-* CUDA: the Triton dequant-GEMM (engine/quant/triton_int4.py) on the packed weight.
+* CUDA: the Triton kernels of engine/quant/triton_int4.py on the packed weight (a GEMV, tensor-core
+  tiles, or a dequantization pass + cuBLAS), the fastest measured per shape and step size
+  (engine/quant/int4_dispatch.py).
 * CPU, steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU kernel (tinygemm), with
   bfloat16 activations (its float32 mode is ~6x slower here; the result is cast back).
 * CPU, larger steps: a dense matmul with the dequantized weight in the activation dtype
@@ -97,7 +99,7 @@ class Int4Linear(nn.Module):
             bias = None if self.bias is None else self.bias.to(dtype)
             return self._dense_linear(x2d.to(dtype), bias).to(x.dtype).reshape(*lead, self.out_features)
         if kernel == "triton":
-            from nightshift.engine.quant.triton_int4 import int4_matmul   # imports triton: CUDA only
+            from nightshift.engine.quant.int4_dispatch import int4_matmul   # imports triton: CUDA only
             y = int4_matmul(x2d, self.qweight, self.scales, self.mins, self.group_size)
         else:
             y = self._tinygemm(x2d.to(torch.bfloat16)).to(x.dtype)
