@@ -73,7 +73,7 @@ def cuda_main(args) -> None:
     layers = []
     for _ in range(args.layers):
         for n, k in shapes:
-            w = quantize_rtn(torch.randn(n, k) * 0.02, args.group_size).to(device)
+            w = quantize_rtn(torch.randn(n, k, device=device) * 0.02, args.group_size)
             try:
                 tiny = _tinygemm_cuda(w, dtype)
             except Exception:         # noqa: BLE001 - a torch build without the CUDA int4 kernel

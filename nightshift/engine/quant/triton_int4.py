@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-MAGIC = 0x4B000000          # float32 bits of 2**23: OR-ing a nibble in gives 2**23 + nibble
-MAGIC_FLOAT = 8388608.0
+MAGIC = tl.constexpr(0x4B000000)          # float32 bits of 2**23: OR-ing a nibble in gives 2**23 + nibble
+MAGIC_FLOAT = tl.constexpr(8388608.0)
 
 
 @triton.jit

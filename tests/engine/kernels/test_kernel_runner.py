@@ -18,7 +18,7 @@ from nightshift.engine.model_runner import ModelRunner, StepItem  # noqa: E402
 def runners():
     model = build_dummy_model("llama-tiny", dtype=torch.float32, device=DEVICE, seed=3)
     return (ModelRunner(model, num_kv_blocks=24, block_size=4, attention_backend="torch"),
-            ModelRunner(model, num_kv_blocks=24, block_size=4, attention_backend="triton"))
+            ModelRunner(model, num_kv_blocks=24, block_size=4, attention_backend="triton", enforce_eager=True))
 
 
 def test_backend_choice_is_validated():

@@ -62,7 +62,7 @@ for key, config in choices().items():
 
 
 def _run(device: str, interpret: bool) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "-c", CHECK.replace("DEVICE", repr(device))], env=env,
