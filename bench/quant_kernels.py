@@ -8,7 +8,8 @@ down 576x1536). Prints ms per step for: tinygemm int4, dense with the cached deq
 weight, and dense dequantizing on every call. Used to set DEFAULT_CPU_INT4_MAX_ROWS.
 
 CUDA: one decoder layer's projections (qkv, o, gate_up, down) of the named shape, several
-distinct layers so the weights come from memory, not L2. Per M: microseconds per layer of
+distinct layers so the weights come from memory, not L2, each timed as CUDA-graph replays (no
+Python launch overhead, as in the engine's decode steps). Per M: microseconds per layer of
 cuBLAS bf16, of our INT4 kernels as the dispatcher chose them (engine/quant/int4_dispatch.py,
 which times its candidates on the first call of each shape and M bucket), their GB/s and
 TFLOP/s and speed-up over bf16, and torch's CUDA tinygemm (`_weight_int4pack_mm`); then what was
@@ -43,29 +44,28 @@ CUDA_SHAPES = {   # one layer's (out_features, in_features): qkv, o, gate_up, do
 }
 
 
-def _cuda_time_us(fn, repeats: int) -> float:
+def _graph_time_us(fn, repeats: int) -> float:
+    """Median microseconds of a CUDA-graph replay of fn (no Python launch overhead: the engine
+    replays its decode steps from graphs too, engine/cuda_graphs.py)."""
     fn()
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
-def _tinygemm_cuda(w, dtype):
-    """torch's CUDA int4 kernel's forms of our weight (its nibble order: even channel high)."""
-    swapped = ((w.qweight & 0xF) << 4) | (w.qweight >> 4)
-    packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), 8)
-    return packed, tinygemm_scales_and_zeros(w, dtype)
-
-
 def cuda_main(args) -> None:
-    from nightshift.engine.quant.int4_dispatch import choose, int4_matmul, m_bucket, timings
+    from nightshift.engine.quant.int4_dispatch import KernelWeight, choose, int4_matmul, key_of, timings
     dtype = getattr(torch, args.dtype)
     device = torch.device("cuda")
     shapes = CUDA_SHAPES[args.shapes]
@@ -73,23 +73,23 @@ def cuda_main(args) -> None:
     layers = []
     for _ in range(args.layers):
         for n, k in shapes:
-            w = quantize_rtn(torch.randn(n, k, device=device) * 0.02, args.group_size)
-            try:
-                tiny = _tinygemm_cuda(w, dtype)
-            except Exception:         # noqa: BLE001 - a torch build without the CUDA int4 kernel
-                tiny = None
-            layers.append((w, w.dequantize(dtype), tiny))
-    int4_bytes = sum(w.nbytes() for w, _, _ in layers) / args.layers
+            int4 = quantize_rtn(torch.randn(n, k, device=device) * 0.02, args.group_size)
+            weight = KernelWeight.of(int4)
+            layers.append((weight, int4.dequantize(dtype), KernelWeight.of(int4)))
+    int4_bytes = sum(w.qweight.nbytes + w.scales.nbytes + w.mins.nbytes for w, _, _ in layers) / args.layers
     flops_per_row = 2 * sum(n * k for n, k in shapes)
+    tinygemm_runs = dtype == torch.bfloat16
     print(f"{torch.cuda.get_device_name()}: {args.shapes} layer {[f'{n}x{k}' for n, k in shapes]}, "
           f"group {args.group_size}, {args.dtype}, {args.layers} distinct layers; us per layer (median of "
-          f"{args.repeats})")
+          f"{args.repeats} CUDA-graph replays)")
     print(f"{'M':>5} {'cuBLAS bf16':>11} {'ours int4':>10} {'GB/s':>7} {'TFLOP/s':>8} {'vs bf16':>8} {'tinygemm':>9}")
     rows = [int(r) for r in args.rows.split(",")]
+    keys = {}
     for m in rows:
         xs = {k: torch.randn(m, k, dtype=dtype, device=device) for _, k in shapes}
         for w, _, _ in layers:
-            choose(xs[w.in_features], w.qweight, w.scales, w.mins, w.group_size)   # the dispatcher times here
+            choose(xs[w.in_features], w)       # the dispatcher times its candidates here (first call per key)
+            keys[(m, w.out_features, w.in_features)] = key_of(xs[w.in_features], w)
 
         def dense():
             for w, dense_w, _ in layers:
@@ -97,24 +97,23 @@ def cuda_main(args) -> None:
 
         def ours():
             for w, _, _ in layers:
-                int4_matmul(xs[w.in_features], w.qweight, w.scales, w.mins, w.group_size)
+                int4_matmul(xs[w.in_features], w)
 
         def tinygemm():
-            for w, _, (packed, sz) in layers:
+            for _, _, w in layers:
+                packed, sz = w.tinygemm_form()
                 torch.ops.aten._weight_int4pack_mm(xs[w.in_features], packed, w.group_size, sz)
 
-        t_dense = _cuda_time_us(dense, args.repeats) / args.layers
-        t_ours = _cuda_time_us(ours, args.repeats) / args.layers
-        t_tiny = (_cuda_time_us(tinygemm, args.repeats) / args.layers
-                  if all(t is not None for _, _, t in layers) and dtype == torch.bfloat16 else float("nan"))
+        t_dense = _graph_time_us(dense, args.repeats) / args.layers
+        t_ours = _graph_time_us(ours, args.repeats) / args.layers
+        t_tiny = _graph_time_us(tinygemm, args.repeats) / args.layers if tinygemm_runs else float("nan")
         moved = int4_bytes + 2 * m * sum(n + k for n, k in shapes)
         print(f"{m:>5} {t_dense:>11.1f} {t_ours:>10.1f} {moved / t_ours / 1e3:>7.0f} "
-              f"{flops_per_row * m / t_ours / 1e6:>8.1f} {t_dense / t_ours:>7.2f}x {t_tiny:>9.1f}")
+              f"{flops_per_row * m / t_ours / 1e6:>8.1f} {t_dense / t_ours:>7.2f}x {t_tiny:>9.1f}", flush=True)
     print("chosen per shape and M bucket (us of the three fastest candidates, L2 flushed):")
     for m in rows:
         for n, k in shapes:
-            key = (str(device), n, k, args.group_size, dtype, m_bucket(m))
-            best = ", ".join(f"{c.describe()} {t * 1e3:.1f}" for t, c in timings(key)[:3])
+            best = ", ".join(f"{c.describe()} {t * 1e3:.1f}" for t, c in timings(keys[(m, n, k)])[:3])
             print(f"  M={m:<5} {n}x{k}: {best}")
 
 

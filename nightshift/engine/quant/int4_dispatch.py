@@ -1,33 +1,105 @@
-"""Which INT4 kernel runs a CUDA call: measured on first use per weight shape and step size.
+"""Which INT4 kernel runs a CUDA call: measured and checked on first use per weight shape and step size.
 
 The fastest way to multiply by an INT4 weight depends on the step's rows M (a batch-1 decode
 reads the weight once and does almost no arithmetic; a 2k-token prefill is compute-bound), on
 the weight's shape and on the GPU. So, as vLLM's and gemlite's autotuners do, the first call of
-each (device, N, K, group, dtype, M bucket) times every candidate of engine/quant/triton_int4.py
-on that shape (CUDA events, the L2 flushed before each run so the weight comes from memory as it
-does in a model step) and keeps the fastest; later calls of the bucket run it directly.
+each (device, N, K, group, dtype, M bucket) runs every candidate on that shape and keeps the
+fastest; later calls of the bucket run it directly. The candidates: engine/quant/triton_int4.py's
+GEMV, tensor-core tiles and dequantize + cuBLAS, and torch's CUDA int4 kernel ("tinygemm",
+``_weight_int4pack_mm``, bfloat16 only), which needs the weight in its own packed form.
+
+* Timing: a CUDA graph of several runs, each after a write of 256 MB that flushes the L2 (so the
+  weight comes from memory, as in a model step), minus a graph of the flushes alone: the GPU time
+  of the kernels without Python's launch overhead, which the engine's CUDA graphs remove too
+  (engine/cuda_graphs.py). Where a graph cannot be captured, CUDA events around each run.
+* Checking: a candidate whose result on the probe differs from the dequantized weight's float32
+  matmul by more than rounding (2e-2 of the largest value for 16-bit activations, 1e-3 for
+  float32) is dropped with a warning, never chosen.
+* Memory: a weight builds tinygemm's form only when it is timed or chosen; one whose timing did not
+  choose it drops it again.
 
 M buckets are powers of two (a call runs the choice of the smallest bucket >= its M, timed at
-that bucket's M). ``choices()`` lists what was chosen, for benchmarks and the worker's log.
-Without CUDA (Triton's interpreter) nothing is timed: the first candidate runs.
+that bucket's M). ``choices()`` and ``timings()`` say what was chosen and why, for benchmarks.
+Without CUDA (Triton's interpreter, in tests) nothing is timed: the first candidate runs.
 """
 from __future__ import annotations
 
 import logging
 import statistics
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
-from nightshift.engine.quant.triton_int4 import KernelConfig, int4_matmul_with
-
-Key = tuple[str, int, int, int, torch.dtype, int]
+from nightshift.engine.quant.cpu_kernels import tinygemm_scales_and_zeros
+from nightshift.engine.quant.format import Int4Weight
+from nightshift.engine.quant.triton_int4 import KernelConfig, int4_dequantize, int4_gemv, int4_tiled
 
 log = logging.getLogger(__name__)
+
+Key = tuple[str, int, int, int, torch.dtype, int]
 
 _chosen: dict[Key, KernelConfig] = {}
 _timings: dict[Key, list[tuple[float, KernelConfig]]] = {}
 _flush: dict[torch.device, torch.Tensor] = {}
+
+TINYGEMM_GROUPS = (32, 64, 128, 256)
+
+
+class KernelWeight:
+    """An INT4 weight on the GPU and the forms of it a kernel needs besides ours: the packed
+    ``qweight``, ``scales`` and ``mins`` of engine/quant/format.py, and tinygemm's form, built on
+    demand."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int):
+        self.qweight, self.scales, self.mins, self.group_size = qweight, scales, mins, group_size
+        self._tinygemm: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    @classmethod
+    def of(cls, weight: Int4Weight) -> "KernelWeight":
+        return cls(weight.qweight, weight.scales, weight.mins, weight.group_size)
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1] * 2
+
+    def tinygemm_form(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(packed weight, scales and zeros) for ``_weight_int4pack_mm``: its nibble order puts the
+        even channel high; ``w = (q - 8) * scale + zero`` so ``zero = min + 8 * scale``."""
+        if self._tinygemm is None:
+            swapped = ((self.qweight & 0xF) << 4) | (self.qweight >> 4)
+            tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
+            packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), tiles)
+            weight = Int4Weight(self.qweight, self.scales, self.mins, self.group_size)
+            self._tinygemm = (packed, tinygemm_scales_and_zeros(weight, torch.bfloat16))
+        return self._tinygemm
+
+    def drop_tinygemm_form(self) -> None:
+        self._tinygemm = None
+
+
+def tinygemm_applies(x: torch.Tensor, weight: KernelWeight) -> bool:
+    """torch's CUDA int4 kernel: bfloat16 activations, its group sizes, K a multiple of 32 and N of 8."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.group_size in TINYGEMM_GROUPS
+            and weight.in_features % 32 == 0 and weight.out_features % 8 == 0)
+
+
+def run_config(x: torch.Tensor, weight: KernelWeight, config: KernelConfig) -> torch.Tensor:
+    """``x [M, K]`` times the INT4 weight the way ``config`` says -> ``[M, N]`` in x's dtype."""
+    if x.dim() != 2 or x.shape[1] != weight.in_features:
+        raise ValueError(f"x must be [M, {weight.in_features}], got {tuple(x.shape)}")
+    args = (weight.qweight, weight.scales, weight.mins, weight.group_size)
+    if config.method == "gemv":
+        return int4_gemv(x, *args, config)
+    if config.method == "tiled":
+        return int4_tiled(x, *args, config)
+    if config.method == "dequant":
+        return torch.mm(x, int4_dequantize(*args, x.dtype).t())
+    packed, scales_and_zeros = weight.tinygemm_form()
+    return torch.ops.aten._weight_int4pack_mm(x.contiguous(), packed, weight.group_size, scales_and_zeros)
 
 
 def m_bucket(m: int) -> int:
@@ -35,16 +107,21 @@ def m_bucket(m: int) -> int:
     return min(1 << max(m - 1, 0).bit_length(), 4096)
 
 
-def candidates(m: int, group_size: int) -> list[KernelConfig]:
+def key_of(x: torch.Tensor, weight: KernelWeight) -> Key:
+    return (str(x.device), weight.out_features, weight.in_features, weight.group_size, x.dtype, m_bucket(x.shape[0]))
+
+
+def candidates(m: int, group_size: int, tinygemm: bool = False) -> list[KernelConfig]:
     """The configurations worth timing for a step of m rows (block_k divides the group)."""
     k_steps = [b for b in (32, 64, 128) if b <= group_size and group_size % b == 0]
     found: list[KernelConfig] = []
     if m == 1:
         bk = k_steps[-1]
-        for block_n, split, warps in ((8, 4, 2), (16, 1, 4), (16, 2, 4), (16, 4, 4), (32, 1, 4),
-                                      (32, 2, 4), (64, 1, 8), (8, 8, 2)):
+        for block_n, split, warps, stages in ((8, 4, 2, 1), (16, 1, 4, 1), (16, 2, 4, 1), (16, 4, 4, 1),
+                                              (32, 1, 4, 1), (32, 2, 4, 1), (64, 1, 8, 1), (8, 8, 2, 1),
+                                              (16, 4, 4, 3), (32, 2, 4, 3)):
             found.append(KernelConfig("gemv", block_m=1, block_n=block_n, block_k=bk, split_k=split,
-                                      num_warps=warps, num_stages=1))
+                                      num_warps=warps, num_stages=stages))
     if m <= 16:
         for bk in k_steps[-2:]:
             for block_n, split in ((32, 4), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2)):
@@ -64,15 +141,47 @@ def candidates(m: int, group_size: int) -> list[KernelConfig]:
                                       num_warps=warps, num_stages=3))
     if m > 1:
         found.append(KernelConfig("dequant"))
+    if tinygemm and m <= 64:
+        found.append(KernelConfig("tinygemm"))
     return found
 
 
-def _time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 7) -> float:
-    """Median CUDA-event time of fn, the L2 flushed (a 256 MB write) before each run."""
+def _flush_buffer(device: torch.device) -> torch.Tensor:
     flush = _flush.get(device)
     if flush is None:
         flush = _flush[device] = torch.empty(64 * 1024 * 1024, dtype=torch.int32, device=device)
+    return flush
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """GPU milliseconds of one run of fn from a cold L2 (the module docstring says how)."""
+    flush = _flush_buffer(device)
     fn()
+    torch.cuda.synchronize(device)
+    try:
+        runs, flushes = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(runs):
+            for _ in range(repeats):
+                flush.zero_()
+                fn()
+        with torch.cuda.graph(flushes):
+            for _ in range(repeats):
+                flush.zero_()
+        _replay_ms(runs), _replay_ms(flushes)        # warm replays
+        with_runs = statistics.median(_replay_ms(runs) for _ in range(3))
+        alone = statistics.median(_replay_ms(flushes) for _ in range(3))
+        return max(with_runs - alone, 0.0) / repeats
+    except RuntimeError as err:                        # no capture here: events around each run
+        log.info("INT4 dispatch times without a CUDA graph (%s)", err)
     times = []
     for _ in range(repeats):
         flush.zero_()
@@ -85,40 +194,63 @@ def _time_ms(fn: Callable[[], object], device: torch.device, repeats: int = 7) -
     return statistics.median(times)
 
 
-def choose(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-           group_size: int) -> KernelConfig:
+def _error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    if not torch.isfinite(y).all():
+        return float("inf")
+    return ((y.float() - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+
+
+def measure(weight: KernelWeight, options: list[KernelConfig], rows: int, dtype: torch.dtype,
+            timer: Callable[[Callable[[], object]], float]) -> list[tuple[float, KernelConfig]]:
+    """(time, option) of every option that computes a random ``[rows, K]`` probe correctly, fastest
+    first; ``timer(fn)`` times one run of fn. Raises when none does."""
+    probe = torch.randn(rows, weight.in_features, device=weight.qweight.device, dtype=dtype)
+    args = (weight.qweight, weight.scales, weight.mins, weight.group_size)
+    reference = probe.float() @ int4_dequantize(*args, torch.float32).t()
+    tolerance = 1e-3 if dtype == torch.float32 else 2e-2
+    timed = []
+    for option in options:
+        try:
+            error = _error(run_config(probe, weight, option), reference)
+            if error > tolerance:
+                log.warning("INT4 kernel %s dropped on N=%d K=%d: relative error %.3g", option.describe(),
+                            weight.out_features, weight.in_features, error)
+                continue
+            timed.append((timer(lambda: run_config(probe, weight, option)), option))
+        except Exception as err:  # noqa: BLE001 - a configuration this GPU cannot compile or run
+            log.warning("INT4 kernel %s failed on N=%d K=%d: %s", option.describe(), weight.out_features,
+                        weight.in_features, err)
+    if not timed:
+        raise RuntimeError(f"no INT4 kernel ran correctly on N={weight.out_features} K={weight.in_features} "
+                           f"M={rows} {dtype}")
+    return sorted(timed, key=lambda pair: pair[0])
+
+
+def choose(x: torch.Tensor, weight: KernelWeight) -> KernelConfig:
     """The configuration for a call of x's rows on this weight, measured once per bucket."""
-    m, k = x.shape
-    bucket = m_bucket(m)
-    key: Key = (str(x.device), qweight.shape[0], k, group_size, x.dtype, bucket)
+    key = key_of(x, weight)
     config = _chosen.get(key)
     if config is not None:
         return config
-    options = candidates(bucket, group_size)
+    bucket = key[-1]
+    options = candidates(bucket, weight.group_size, tinygemm_applies(x, weight))
     if not x.is_cuda or torch.cuda.is_current_stream_capturing():
         # nothing to time on (the interpreter), or inside a CUDA-graph capture, where timing is
         # impossible: graphs are captured after an eager run of the same step (engine/cuda_graphs.py)
         return options[0]
-    probe = torch.randn(bucket, k, device=x.device, dtype=x.dtype)
-    timed = []
-    for option in options:
-        try:
-            timed.append((_time_ms(lambda: int4_matmul_with(probe, qweight, scales, mins, group_size, option),
-                                   x.device), option))
-        except Exception as err:       # a configuration the GPU cannot run (e.g. out of shared memory)
-            timed.append((float("inf"), option))
-            log.warning("INT4 kernel %s failed on N=%d K=%d: %s", option.describe(), qweight.shape[0], k, err)
-    timed.sort(key=lambda pair: pair[0])
+    timed = measure(weight, options, bucket, x.dtype, lambda fn: _time_ms(fn, x.device))
     config = timed[0][1]
     _chosen[key] = config
     _timings[key] = timed
+    same_shape = [c for k, c in _chosen.items() if k[:5] == key[:5]]
+    if not any(c.method == "tinygemm" for c in same_shape):
+        weight.drop_tinygemm_form()
     return config
 
 
-def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                group_size: int) -> torch.Tensor:
+def int4_matmul(x: torch.Tensor, weight: KernelWeight) -> torch.Tensor:
     """``x [M, K]`` times the INT4 weight -> ``[M, N]`` in x's dtype, the measured fastest way."""
-    return int4_matmul_with(x, qweight, scales, mins, group_size, choose(x, qweight, scales, mins, group_size))
+    return run_config(x, weight, choose(x, weight))
 
 
 def choices() -> dict[Key, KernelConfig]:

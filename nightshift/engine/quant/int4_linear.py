@@ -2,8 +2,8 @@
 
 What runs, chosen per call by ``Int4Linear.kernel_for`` (engine/quant/README.md has the measurements):
 * CUDA: the Triton kernels of engine/quant/triton_int4.py on the packed weight (a GEMV, tensor-core
-  tiles, or a dequantization pass + cuBLAS), the fastest measured per shape and step size
-  (engine/quant/int4_dispatch.py).
+  tiles, or a dequantization pass + cuBLAS) or torch's CUDA int4 kernel, the fastest measured per
+  shape and step size (engine/quant/int4_dispatch.py).
 * CPU, steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU kernel (tinygemm), with
   bfloat16 activations (its float32 mode is ~6x slower here; the result is cast back).
 * CPU, larger steps: a dense matmul with the dequantized weight in the activation dtype
@@ -56,6 +56,7 @@ class Int4Linear(nn.Module):
         self._tinygemm_packed: torch.Tensor | None = None
         self._tinygemm_sz: dict[torch.dtype, torch.Tensor] = {}
         self._dense: dict[tuple[torch.device, torch.dtype], object] = {}
+        self._kernel_weight = None        # CUDA: int4_dispatch.KernelWeight (with tinygemm's form, if used)
 
     @property
     def int4_weight(self) -> Int4Weight:
@@ -66,6 +67,7 @@ class Int4Linear(nn.Module):
         self._tinygemm_packed = None
         self._tinygemm_sz = {}
         self._dense = {}
+        self._kernel_weight = None
         return super()._apply(fn, recurse)
 
     def set_weight(self, weight: Int4Weight, input_scale: torch.Tensor | None = None) -> None:
@@ -99,8 +101,10 @@ class Int4Linear(nn.Module):
             bias = None if self.bias is None else self.bias.to(dtype)
             return self._dense_linear(x2d.to(dtype), bias).to(x.dtype).reshape(*lead, self.out_features)
         if kernel == "triton":
-            from nightshift.engine.quant.int4_dispatch import int4_matmul   # imports triton: CUDA only
-            y = int4_matmul(x2d, self.qweight, self.scales, self.mins, self.group_size)
+            from nightshift.engine.quant.int4_dispatch import KernelWeight, int4_matmul   # imports triton: CUDA only
+            if self._kernel_weight is None:
+                self._kernel_weight = KernelWeight(self.qweight, self.scales, self.mins, self.group_size)
+            y = int4_matmul(x2d, self._kernel_weight)
         else:
             y = self._tinygemm(x2d.to(torch.bfloat16)).to(x.dtype)
         if self.bias is not None:

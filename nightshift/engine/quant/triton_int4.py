@@ -2,8 +2,8 @@
 
 ``W[n, k] = q[n, k] * scale[n, k // G] + min[n, k // G]`` is read from the packed uint8 ``[N, K/2]``
 weight (engine/quant/format.py: channel ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in the
-high one). Which of the three runs for a call is measured per weight shape and step size
-(engine/quant/int4_dispatch.py):
+high one). Which of them (or torch's own int4 kernel) runs a call is measured per weight shape and
+step size (engine/quant/int4_dispatch.py):
 
 * ``int4_gemv``: one activation row (batch-1 decode), memory-bound. A program owns ``BLOCK_N``
   output channels and a ``1 / SPLIT_K`` share of K; it walks K one quantization group at a time
@@ -130,8 +130,10 @@ def _int4_dequantize_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, stride_qn, stride
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """One way to run a call: ``method`` "gemv", "tiled" or "dequant" and its launch parameters
-    (block_k is always the quantization group or a divisor of it, so a K step has one scale)."""
+    """One way to run a call: ``method`` "gemv", "tiled", "dequant" (this module's kernels) or
+    "tinygemm" (torch's CUDA int4 kernel, engine/quant/int4_dispatch.py), and the launch parameters of
+    ours. block_k divides the quantization group (a K step has one scale and min per row) and is at
+    least 32: with 16 the tiled kernel computed wrong results on an H200 (Triton 3.6)."""
     method: str
     block_m: int = 16
     block_n: int = 64
@@ -140,9 +142,17 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+    def __post_init__(self) -> None:
+        if self.method not in ("gemv", "tiled", "dequant", "tinygemm"):
+            raise ValueError(f"unknown INT4 method {self.method!r}")
+        if self.block_k < 32:
+            raise ValueError(f"block_k must be at least 32, got {self.block_k}")
+
     def describe(self) -> str:
         if self.method == "dequant":
             return "dequant+cuBLAS"
+        if self.method == "tinygemm":
+            return "torch tinygemm"
         return (f"{self.method} m{self.block_m} n{self.block_n} k{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}")
 
@@ -214,16 +224,3 @@ def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Ten
     _int4_dequantize_kernel[grid](qweight, scales, mins, w, n, k, qweight.stride(0), scales.stride(0), w.stride(0),
                                   BLOCK_N=block_n, BLOCK_K=block_k, GROUP=group_size)
     return w
-
-
-def int4_matmul_with(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                     group_size: int, config: KernelConfig) -> torch.Tensor:
-    """``x [M, K]`` times the INT4 weight the way ``config`` says -> ``[M, N]`` in x's dtype."""
-    if config.method == "gemv":
-        return int4_gemv(x, qweight, scales, mins, group_size, config)
-    if config.method == "tiled":
-        return int4_tiled(x, qweight, scales, mins, group_size, config)
-    if config.method == "dequant":
-        _check(x, qweight, group_size, config)
-        return torch.mm(x, int4_dequantize(qweight, scales, mins, group_size, x.dtype).t())
-    raise ValueError(f"unknown INT4 method {config.method!r}")
