@@ -1,16 +1,20 @@
-"""ModelConfig: the shape of a Llama-family decoder, read from GGUF metadata or HF config.json."""
+"""ModelConfig: the shape of a decoder (Llama family, Qwen3, Gemma 2/3, Phi-3), read from GGUF
+metadata or HF config.json. A config field the engine cannot honour is refused here with a
+ValueError naming it: a model is never loaded approximately."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3", "longrope")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass
 class ModelConfig:
-    architecture: str                 # "llama" | "qwen2" | "mistral" (all the same block here)
+    architecture: str                 # one of SUPPORTED_ARCHITECTURES (models/__init__.py picks the class)
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -27,6 +31,15 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: list[int] = field(default_factory=list)
     name: str = ""
+    # --- the differences of the newer architectures (neutral defaults: the Llama block) ---
+    qk_norm: bool = False             # RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    sliding_window: Optional[int] = None   # keys of the last `sliding_window` positions, on sliding layers
+    layer_types: Optional[list[str]] = None   # per layer "full_attention" | "sliding_attention"; None: all full
+    attn_logit_softcapping: Optional[float] = None    # scores -> c * tanh(scores / c) (Gemma 2)
+    final_logit_softcapping: Optional[float] = None   # logits -> c * tanh(logits / c) (Gemma 2)
+    query_pre_attn_scalar: Optional[float] = None     # attention scale = this ** -0.5 (Gemma)
+    rope_local_base_freq: Optional[float] = None      # RoPE base of sliding layers, no scaling (Gemma 3)
+    partial_rotary_factor: float = 1.0                # RoPE on the first head_dim * this dims (Phi-3)
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -36,7 +49,37 @@ class ModelConfig:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         kind = rope_scaling_type(self.rope_scaling)
         if kind not in SUPPORTED_ROPE_SCALING:
-            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+            raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3, longrope")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+                raise ValueError(f"layer_types must be {self.num_layers} of {LAYER_TYPES}, got {self.layer_types}")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives an unusable rotary "
+                             f"dimension {self.rotary_dim} of head_dim {self.head_dim}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of each q/k head RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim) ** -0.5
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
+
+    def layer_window(self, layer: int) -> Optional[int]:
+        """The attention window of `layer` (each query sees the last `window` positions, itself
+        included), None for full causal attention."""
+        return self.sliding_window if self.sliding_window and self.is_sliding(layer) else None
+
+    @property
+    def needs_masked_attention(self) -> bool:
+        """Some layer attends through a window or with soft-capped scores (attention/ backends
+        then take their masked path for those layers)."""
+        return self.attn_logit_softcapping is not None or \
+            any(self.layer_window(i) is not None for i in range(self.num_layers))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -55,8 +98,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":
-        """From a Hugging Face config.json (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)."""
+        """From a Hugging Face config.json (Llama, Qwen2, Mistral, Qwen3, Gemma 2, Gemma 3 text, Phi-3)."""
         model_type = cfg.get("model_type", "llama")
+        if model_type in NEWER_ARCHITECTURES:
+            return _from_newer_hf_config(cls, cfg, model_type, name)
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
         missing = [key for key in required if key not in cfg]
         if missing:
@@ -102,8 +147,8 @@ class ModelConfig:
         """From GGUF key/values (llama.cpp names). `has_output_weight`: the file has an `output.weight`
         tensor; without one the lm_head is tied to the token embedding."""
         arch = meta.get("general.architecture")
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
 
         def key(suffix: str, default: Any = ...) -> Any:
             full = f"{arch}.{suffix}"
@@ -154,3 +199,116 @@ def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> Optional[dict[str, An
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
+
+
+# ---- the newer architectures (config.json of transformers 4.x or 5.x) ------------------------
+NEWER_ARCHITECTURES = ("qwen3", "gemma2", "gemma3_text", "phi3")
+_ACTIVATION = {"qwen3": "silu", "phi3": "silu", "gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}
+_TIED_BY_DEFAULT = ("gemma2", "gemma3_text")
+
+
+def _hf_rope(params: dict[str, Any], cfg: dict[str, Any], field_name: str) -> tuple[float, Optional[dict[str, Any]]]:
+    """(rope_theta, rope_scaling or None) of one rope parameter dict (transformers 5's
+    `rope_parameters`, or 4.x's `rope_scaling` plus a theta)."""
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type") or params.get("type")
+    if kind in (None, "default"):
+        return theta, None
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor", "type")}
+    scaling["rope_type"] = "longrope" if kind == "su" else kind
+    if scaling["rope_type"] not in SUPPORTED_ROPE_SCALING:
+        raise ValueError(f"unsupported {field_name} type {kind!r}; supported: linear, llama3, longrope")
+    if scaling["rope_type"] == "longrope":
+        scaling.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        for key in ("short_factor", "long_factor", "original_max_position_embeddings"):
+            if scaling.get(key) is None:
+                raise ValueError(f"{field_name}: longrope scaling without {key}")
+    return theta, scaling
+
+
+def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) -> ModelConfig:
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    missing = [key for key in required if key not in cfg]
+    if missing:
+        raise ValueError(f"config.json is missing {', '.join(missing)}")
+    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    gemma = model_type.startswith("gemma")
+
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or _ACTIVATION[model_type]
+    if activation != _ACTIVATION[model_type]:
+        field_name = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+        raise ValueError(f"{model_type}: {field_name}={activation!r} is not supported "
+                         f"(only {_ACTIVATION[model_type]!r})")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError(f"{model_type}: use_bidirectional_attention=True is not supported (causal LM only)")
+
+    # RoPE: transformers 5 keeps it in `rope_parameters`, per layer type for Gemma 3
+    rope_parameters = cfg.get("rope_parameters") or {}
+    local_theta = cfg.get("rope_local_base_freq") if model_type == "gemma3_text" else None
+    if "full_attention" in rope_parameters or "sliding_attention" in rope_parameters:
+        full = rope_parameters.get("full_attention") or {}
+        local = rope_parameters.get("sliding_attention")
+        if local is not None:
+            local_theta, local_scaling = _hf_rope(local, cfg, "rope_parameters.sliding_attention")
+            if local_scaling is not None:
+                raise ValueError(f"{model_type}: rope_parameters.sliding_attention scaling "
+                                 f"{local_scaling['rope_type']!r} is not supported (default RoPE only)")
+    elif rope_parameters:
+        full = rope_parameters
+    else:
+        full = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 10000.0)}
+    rope_theta, rope_scaling = _hf_rope(full, cfg, "rope_scaling")
+    partial = full.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+    if model_type != "phi3" and partial != 1.0:
+        raise ValueError(f"{model_type}: partial_rotary_factor={partial} is not supported for this architecture")
+
+    # which layers attend through a window
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types")
+    if model_type == "qwen3":
+        if not cfg.get("use_sliding_window"):
+            window = None
+        elif layer_types is None:
+            start = cfg.get("max_window_layers", layers)
+            layer_types = ["sliding_attention" if i >= start else "full_attention" for i in range(layers)]
+    elif model_type == "phi3":
+        layer_types = ["sliding_attention"] * layers if window else None
+    elif layer_types is None and model_type == "gemma2":
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    elif layer_types is None and model_type == "gemma3_text":
+        pattern = cfg.get("sliding_window_pattern") or 6
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if layer_types is not None and any(t == "sliding_attention" for t in layer_types) and not window \
+            and model_type != "qwen3":
+        raise ValueError(f"{model_type}: layer_types has sliding layers but sliding_window is not set")
+    if model_type == "gemma3_text" and local_theta is None:
+        local_theta = 10000.0          # transformers' default rope_local_base_freq
+
+    eos = cfg.get("eos_token_id")
+    return cls(
+        architecture=model_type,
+        hidden_size=cfg["hidden_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        rope_scaling=rope_scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        name=name,
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        sliding_window=window or None,
+        layer_types=layer_types if window else None,
+        attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma else None,
+        query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+        rope_local_base_freq=float(local_theta) if local_theta is not None else None,
+        partial_rotary_factor=float(partial),
+    )

@@ -51,7 +51,8 @@ def select_attention_backend(config: ModelConfig, block_size: int, dtype: torch.
     device = torch.device(device)
     backend = options.attention_backend
     if backend == "auto":
-        backend = "triton" if device.type == "cuda" else "torch"
+        # the Triton kernels have no sliding window or soft-capping: such models take the torch path
+        backend = "triton" if device.type == "cuda" and not config.needs_masked_attention else "torch"
     if backend == "triton":
         from nightshift.engine.attention.triton_backend import TritonAttention   # imports triton: only when chosen
         return TritonAttention(config, block_size, dtype, device)

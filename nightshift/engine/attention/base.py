@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Sequence
+from typing import ClassVar, Optional, Sequence
 
 import torch
 
@@ -22,6 +22,31 @@ from nightshift.engine.step import StepItem
 class StepMetadata:
     item_order: list[int]          # item indices in the row order of the flat batch
     slot_mapping: torch.Tensor     # [T] int64: where each new token's K/V is written, in row order
+
+
+@dataclass
+class SequenceRows:
+    """One sequence's new tokens, rows [row_start, row_end) of the flat batch at positions
+    start_pos.., and the pool slots of all its positions so far (`[start_pos + n]`): what the
+    masked attention path (sliding windows, soft-capping; torch_paged.masked_attention) reads."""
+    row_start: int
+    row_end: int
+    start_pos: int
+    context_slots: torch.Tensor
+
+
+def sequence_rows(items: Sequence[StepItem], item_order: list[int], block_size: int,
+                  device: torch.device) -> list[SequenceRows]:
+    """Every item's SequenceRows, in the row order `item_order`."""
+    rows, row = [], 0
+    for i in item_order:
+        item = items[i]
+        n = len(item.token_ids)
+        table = torch.tensor(item.block_table, dtype=torch.long)
+        slots = pool_slots(table, torch.arange(item.start_pos + n), block_size)
+        rows.append(SequenceRows(row, row + n, item.start_pos, slots.to(device)))
+        row += n
+    return rows
 
 
 class AttentionBackend(ABC):
@@ -44,8 +69,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: StepMetadata, scale: float) -> torch.Tensor:
-        """Attention of the flat batch q `[T, H, D]` (its k, v already stored) -> `[T, H, D]`."""
+                v_cache: torch.Tensor, meta: StepMetadata, scale: float, window: Optional[int] = None,
+                softcap: Optional[float] = None) -> torch.Tensor:
+        """Attention of the flat batch q `[T, H, D]` (its k, v already stored) -> `[T, H, D]`.
+        window: each query sees only the last `window` positions (itself included); softcap:
+        scores (after `scale`) become softcap * tanh(scores / softcap). Both are set only by
+        models whose config `needs_masked_attention`; a backend that cannot honour them raises."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block_size={self.block_size}, dtype={self.dtype}, device={self.device})"

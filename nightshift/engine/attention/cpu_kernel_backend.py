@@ -14,9 +14,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from nightshift.engine.attention.base import AttentionBackend, StepMetadata, padded_block_tables, pool_slots
+from nightshift.engine.attention.base import (AttentionBackend, SequenceRows, StepMetadata, padded_block_tables,
+                                              pool_slots, sequence_rows)
 from nightshift.engine.attention.torch_backend import TorchAttention
-from nightshift.engine.attention.torch_paged import PrefillSpan, index_copy_kv, prefill_spans_attention
+from nightshift.engine.attention.torch_paged import (PrefillSpan, index_copy_kv, masked_attention,
+                                                     prefill_spans_attention)
 from nightshift.engine.kernels import cpu_paged_attention
 from nightshift.engine.model_config import ModelConfig
 from nightshift.engine.step import StepItem, decode_indices
@@ -34,6 +36,8 @@ class KernelDecodeRows:
 class CpuKernelMetadata(StepMetadata):
     decode_rows: Optional[KernelDecodeRows] = None               # None: no decode rows this step
     prefills: list[PrefillSpan] = field(default_factory=list)   # after the decode rows, in row order
+    # every row's sequence, for layers with a sliding window or soft-capping (None: model has none)
+    sequences: Optional[list[SequenceRows]] = None
 
 
 class CpuKernelAttention(AttentionBackend):
@@ -56,12 +60,17 @@ class CpuKernelAttention(AttentionBackend):
             meta.decode_rows = KernelDecodeRows(len(decode), tables.to(torch.int32), (positions + 1).to(torch.int32))
         meta.prefills, prefill_slots = self.prefill_path.prefill_spans(items, prefill, len(decode))
         meta.slot_mapping = torch.cat(slot_parts + prefill_slots).to(self.device)
+        if self.config.needs_masked_attention:
+            meta.sequences = sequence_rows(items, meta.item_order, self.block_size, self.device)
         return meta
 
     def store_kv(self, k_cache, v_cache, k, v, meta: CpuKernelMetadata) -> None:
         index_copy_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: CpuKernelMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuKernelMetadata, scale: float,
+                window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
+        if window is not None or softcap is not None:   # the C kernel has neither: the masked torch path
+            return masked_attention(q, k_cache, v_cache, meta.sequences, scale, window, softcap)
         outputs = []
         rows = meta.decode_rows
         if rows is not None:

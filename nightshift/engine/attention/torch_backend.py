@@ -12,13 +12,14 @@ here once per step rather than once per layer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from nightshift.engine.attention.base import AttentionBackend, StepMetadata, padded_block_tables, pool_slots
+from nightshift.engine.attention.base import (AttentionBackend, SequenceRows, StepMetadata, padded_block_tables,
+                                              pool_slots, sequence_rows)
 from nightshift.engine.attention.torch_paged import (DecodeBatch, DecodeGroup, PrefillSpan, decode_attention,
-                                                     index_copy_kv, prefill_spans_attention)
+                                                     index_copy_kv, masked_attention, prefill_spans_attention)
 from nightshift.engine.model_config import ModelConfig
 from nightshift.engine.step import StepItem, decode_indices
 
@@ -27,6 +28,8 @@ from nightshift.engine.step import StepItem, decode_indices
 class TorchMetadata(StepMetadata):
     decode: list[DecodeBatch] = field(default_factory=list)     # rows first in the batch, in order
     prefills: list[PrefillSpan] = field(default_factory=list)   # then these, in row order
+    # every row's sequence, for layers with a sliding window or soft-capping (None: model has none)
+    sequences: Optional[list[SequenceRows]] = None
 
 
 class TorchAttention(AttentionBackend):
@@ -54,6 +57,8 @@ class TorchAttention(AttentionBackend):
             row = batch.row_end
         meta.prefills, prefill_slots = self.prefill_spans(items, prefill, row)
         meta.slot_mapping = torch.cat(slot_parts + prefill_slots).to(self.device)
+        if self.config.needs_masked_attention:
+            meta.sequences = sequence_rows(items, meta.item_order, self.block_size, self.device)
         return meta
 
     def decode_families(self, items: Sequence[StepItem]) -> list[list[int]]:
@@ -158,7 +163,10 @@ class TorchAttention(AttentionBackend):
     def store_kv(self, k_cache, v_cache, k, v, meta: TorchMetadata) -> None:
         index_copy_kv(k_cache, v_cache, k, v, meta.slot_mapping)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float, window: Optional[int] = None,
+                softcap: Optional[float] = None) -> torch.Tensor:
+        if window is not None or softcap is not None:
+            return masked_attention(q, k_cache, v_cache, meta.sequences, scale, window, softcap)
         outputs = [decode_attention(q[b.row_start:b.row_end], k_cache, v_cache, b, scale) for b in meta.decode]
         outputs += prefill_spans_attention(q, k, v, k_cache, v_cache, meta.prefills, scale)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

@@ -161,3 +161,39 @@ def prefill_spans_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k
     """`prefill_attention` of every span (rows of the flat batch), in span order."""
     return [prefill_attention(q[s.row_start:s.row_end], k[s.row_start:s.row_end], v[s.row_start:s.row_end],
                               k_cache, v_cache, s, scale) for s in spans]
+
+
+def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     sequences: Optional[list], scale: float, window: Optional[int],
+                     softcap: Optional[float]) -> torch.Tensor:
+    """Attention of the flat batch q `[T, H, D]` (its K/V already in the pool), one sequence
+    (base.SequenceRows, in row order) at a time, causal and, with `window`, limited to the last
+    `window` positions of each query (itself included, as transformers' sliding window); scores
+    soft-capped as softcap * tanh(scores * scale / softcap) with `softcap`. Scores and softmax in
+    float32, in plain matmuls (SDPA cannot soft-cap), on any device."""
+    if sequences is None:
+        raise ValueError("a sliding window or soft-capping needs the backend's masked path: it was built for a "
+                         "model config without either (config.needs_masked_attention is False)")
+    heads = q.shape[1]
+    kv_heads = k_cache.shape[-2]
+    group = heads // kv_heads
+    outs = []
+    for s in sequences:
+        n = s.row_end - s.row_start
+        end = s.start_pos + n
+        first = 0 if window is None else max(0, s.start_pos - window + 1)    # oldest key any query sees
+        slots = s.context_slots[first:end]
+        keys = gather_kv(k_cache, slots).transpose(0, 1).unsqueeze(0)       # [1, kv_heads, L, D]
+        values = gather_kv(v_cache, slots).transpose(0, 1).unsqueeze(0)
+        qg = _grouped(q[s.row_start:s.row_end].unsqueeze(0), kv_heads)     # [1, kv_heads, n * group, D]
+        q_pos = torch.arange(s.start_pos, end, device=q.device).repeat_interleave(group)[:, None]
+        k_pos = torch.arange(first, end, device=q.device)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= q_pos - k_pos < window
+        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(values.dtype)
+        outs.append(_ungrouped(torch.matmul(probs, values), n, heads).squeeze(0))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)

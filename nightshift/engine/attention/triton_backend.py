@@ -13,7 +13,7 @@ in Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check them 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -69,6 +69,14 @@ def _new_token_slots(chunks: Sequence[ScheduledChunk], indices: list[int], table
 class TritonAttention(AttentionBackend):
     name = "triton"
 
+    def __init__(self, config, block_size: int, dtype: torch.dtype, device: torch.device):
+        if config.needs_masked_attention:
+            raise ValueError(f"the Triton attention backend cannot serve {config.architecture!r}: its kernels have no "
+                             f"sliding window (sliding_window={config.sliding_window}) or attention soft-capping "
+                             f"(attn_logit_softcapping={config.attn_logit_softcapping}); "
+                             "use attention_backend='torch' (or 'auto')")
+        super().__init__(config, block_size, dtype, device)
+
     def build_metadata(self, items: Sequence[ScheduledChunk]) -> TritonMetadata:
         decode = decode_indices(items)
         decode_set = set(decode)
@@ -102,8 +110,14 @@ class TritonAttention(AttentionBackend):
     def store_kv(self, k_cache, v_cache, k, v, meta: TritonMetadata) -> None:
         store_kv_kernel(k_cache, v_cache, k, v, meta.slot_mapping)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float) -> torch.Tensor:
-        """The decode kernel over the decode rows, the prefill kernel over the rest."""
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float, window: Optional[int] = None,
+                softcap: Optional[float] = None) -> torch.Tensor:
+        """The decode kernel over the decode rows, the prefill kernel over the rest. The kernels
+        have no sliding window or soft-capping: those are refused (select_attention_backend does
+        not pick this backend for such models)."""
+        if window is not None or softcap is not None:
+            raise ValueError(f"the Triton attention backend cannot apply a sliding window ({window}) or soft-capping "
+                             f"({softcap}); use attention_backend='torch'")
         outputs = []
         if meta.num_decode:
             outputs.append(paged_decode_attention(q[:meta.num_decode], k_cache, v_cache, meta.decode_block_tables,

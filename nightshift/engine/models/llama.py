@@ -1,4 +1,8 @@
 """Llama-family decoder (Llama, SmolLM, Qwen2, Mistral shapes) in plain torch, over a paged KV cache.
+It is also the shared decoder of the other architectures (qwen3.py, gemma.py, phi3.py): each
+declares its differences on it (a norm, a layer, the checkpoint's fused projections, the RoPE
+tables, embedding scale) through the class attributes and hooks of LlamaForCausalLM, and the
+config switches the rest (q/k norms, sliding windows, soft-capping, partial rotary).
 
 The forward takes one flat batch of tokens (every sequence's new tokens concatenated), the
 attention backend of the step and its metadata, which says which rows belong to which sequence
@@ -36,10 +40,13 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
+def base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def rope_inv_freq(config: ModelConfig, freq_divisors: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] with the config's RoPE scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    """Inverse frequencies [rotary_dim / 2] with the config's RoPE scaling applied."""
+    inv_freq = base_inv_freq(config.rope_theta, config.rotary_dim)
     kind = rope_scaling_type(config.rope_scaling)
     if kind == "linear":
         inv_freq = inv_freq / float(config.rope_scaling["factor"])
@@ -62,17 +69,27 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_position_embeddings, looked up per token."""
+def rope_table(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin `[len(positions), 2 * len(inv_freq)]` (times `scale`, LongRoPE's attention factor)."""
+    freqs = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
 
-    def __init__(self, config: ModelConfig, freq_divisors: Optional[torch.Tensor] = None):
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_position_embeddings, looked up per token.
+    `inv_freq` overrides the config's frequencies (Gemma 3's local layers); `tables` gives the
+    finished (cos, sin) (Phi-3's LongRoPE)."""
+
+    def __init__(self, config: ModelConfig, freq_divisors: Optional[torch.Tensor] = None,
+                 inv_freq: Optional[torch.Tensor] = None,
+                 tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
         super().__init__()
-        inv_freq = rope_inv_freq(config, freq_divisors)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        if tables is None:
+            inv_freq = rope_inv_freq(config, freq_divisors) if inv_freq is None else inv_freq
+            tables = rope_table(torch.arange(config.max_position_embeddings), inv_freq)
+        self.register_buffer("cos", tables[0], persistent=False)
+        self.register_buffer("sin", tables[1], persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
@@ -80,58 +97,89 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    """Rotate the first cos.shape[-1] dims of each head (all of them but for partial rotary)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
+    half = rot // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
 
+class Architecture:
+    """What a model class declares about its checkpoint and blocks (LlamaForCausalLM's defaults)."""
+    norm: type = RMSNorm                    # every RMSNorm of the model (Gemma: x * (1 + w))
+    activation: Callable = F.silu           # the MLP's gate activation
+    fused_qkv: bool = False                 # the checkpoint stores qkv_proj / gate_up_proj fused (Phi-3)
+
+
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, projection: Projection):
+    def __init__(self, config: ModelConfig, layer: int, projection: Projection, tensor=None,
+                 arch: type[Architecture] = Architecture):
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = config.attention_scale
+        self.window = config.layer_window(layer)              # None: full causal attention
+        self.softcap = config.attn_logit_softcapping
         prefix = f"model.layers.{layer}.self_attn"
-        self.qkv_proj = projection(f"{prefix}.qkv_proj", [f"{prefix}.{p}_proj" for p in "qkv"])
+        parts = [f"{prefix}.qkv_proj"] if arch.fused_qkv else [f"{prefix}.{p}_proj" for p in "qkv"]
+        self.qkv_proj = projection(f"{prefix}.qkv_proj", parts)
         self.o_proj = projection(f"{prefix}.o_proj", [f"{prefix}.o_proj"])
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:     # per-head RMSNorm of q and k, before RoPE (Qwen3, Gemma 3)
+            self.q_norm = arch.norm(tensor(f"{prefix}.q_norm.weight"), config.rms_norm_eps)
+            self.k_norm = arch.norm(tensor(f"{prefix}.k_norm.weight"), config.rms_norm_eps)
 
     def forward(self, x, cos, sin, kv_cache: KVCache, attention: AttentionBackend, meta: StepMetadata):
         tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # q and k heads rotated in one go (fewer ops per layer; per-op overhead matters on CPU)
-        qk = apply_rope(qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = apply_rope(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         attention.store_kv(k_cache, v_cache, k, v, meta)
-        out = attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        if self.window is None and self.softcap is None:
+            out = attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        else:
+            out = attention.forward(q, k, v, k_cache, v_cache, meta, self.scale, window=self.window,
+                                    softcap=self.softcap)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, projection: Projection):
+    def __init__(self, config: ModelConfig, layer: int, projection: Projection,
+                 arch: type[Architecture] = Architecture):
         super().__init__()
         prefix = f"model.layers.{layer}.mlp"
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = projection(f"{prefix}.gate_up_proj", [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.activation = arch.activation
+        parts = [f"{prefix}.gate_up_proj"] if arch.fused_qkv else [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+        self.gate_up_proj = projection(f"{prefix}.gate_up_proj", parts)
         self.down_proj = projection(f"{prefix}.down_proj", [f"{prefix}.down_proj"])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.activation(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, projection: Projection, tensor):
+    def __init__(self, config: ModelConfig, layer: int, projection: Projection, tensor,
+                 arch: type[Architecture] = Architecture):
         super().__init__()
         prefix = f"model.layers.{layer}"
-        self.input_layernorm = RMSNorm(tensor(f"{prefix}.input_layernorm.weight"), config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(tensor(f"{prefix}.post_attention_layernorm.weight"),
-                                                config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, projection)
-        self.mlp = MLP(config, layer, projection)
+        self.input_layernorm = arch.norm(tensor(f"{prefix}.input_layernorm.weight"), config.rms_norm_eps)
+        self.post_attention_layernorm = arch.norm(tensor(f"{prefix}.post_attention_layernorm.weight"),
+                                                  config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, projection, tensor, arch)
+        self.mlp = MLP(config, layer, projection, arch)
 
     def forward(self, x, cos, sin, kv_cache, attention, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attention, meta)
@@ -141,7 +189,13 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Built from a checkpoint (see nightshift.engine.loader.Checkpoint): `checkpoint.tensor(name)` gives a
     float tensor by HF name, `checkpoint.gguf(name)` raw GGUF blocks or None. `linear` builds every
-    projection (default: full precision)."""
+    projection (default: full precision).
+
+    Subclasses (other architectures) declare `arch` (norm, activation, fused checkpoint
+    projections), `layer_class`, and may override `rotary_embeddings` and `embed`."""
+
+    arch: type[Architecture] = Architecture
+    layer_class: type[nn.Module] = DecoderLayer
 
     def __init__(self, config: ModelConfig, checkpoint, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", linear: Optional[LinearFactory] = None):
@@ -163,8 +217,9 @@ class LlamaForCausalLM(nn.Module):
             return linear(WeightSource(name, parts, checkpoint.tensor, checkpoint.gguf, dtype, device))
 
         self.embed_tokens = nn.Parameter(tensor("model.embed_tokens.weight"), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, projection, tensor) for i in range(config.num_layers))
-        self.norm = RMSNorm(tensor("model.norm.weight"), config.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(config, i, projection, tensor, self.arch)
+                                    for i in range(config.num_layers))
+        self.norm = self.arch.norm(tensor("model.norm.weight"), config.rms_norm_eps)
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
         if config.tie_word_embeddings and linear.is_dense("lm_head"):
             # reuse the embedding matrix (no second copy), except where the CPU math holds its own
@@ -173,22 +228,39 @@ class LlamaForCausalLM(nn.Module):
                             if cpu_math.applies(self.embed_tokens, linear.math) else None)
         else:
             self.lm_head = projection("lm_head", [head])
-        freq_divisors = checkpoint.tensor("rope_freqs")
-        self.rotary = RotaryEmbedding(config, freq_divisors).to(device)
+        self.rotary = self.rotary_embeddings(config, checkpoint).to(device)
+        # the RoPE table each layer uses: "local" (sliding layers, where the config gives them
+        # their own base: Gemma 3) or "global"
+        self.layer_rope = ["local" if "local" in self.rotary and config.is_sliding(i) else "global"
+                           for i in range(config.num_layers)]
+
+    def rotary_embeddings(self, config: ModelConfig, checkpoint) -> nn.ModuleDict:
+        """The RoPE tables by name: "global", and "local" where sliding layers have their own base."""
+        tables = {"global": RotaryEmbedding(config, checkpoint.tensor("rope_freqs"))}
+        if config.rope_local_base_freq is not None:
+            tables["local"] = RotaryEmbedding(config, inv_freq=base_inv_freq(config.rope_local_base_freq,
+                                                                             config.rotary_dim))
+        return nn.ModuleDict(tables)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attention: AttentionBackend, meta: StepMetadata,
                 logits_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """input_ids, positions: [T], rows in `meta`'s order. Returns float32 logits for
         `logits_rows` (indices into T), or for every row when None."""
-        x = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = self.rotary(positions, self.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, attention, meta)
+        x = self.embed(input_ids)
+        rope = {name: table(positions, self.dtype) for name, table in self.rotary.items()}
+        for layer, kv_cache, which in zip(self.layers, kv_caches, self.layer_rope):
+            x = layer(x, *rope[which], kv_cache, attention, meta)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
         return self.project_logits(self.norm(x)).float()
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head on final hidden states `[..., hidden_size]` (the tied embedding or lm_head)."""
-        return F.linear(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)
+        """The LM head on final hidden states `[..., hidden_size]` (the tied embedding or lm_head),
+        soft-capped where the config says so (Gemma 2)."""
+        logits = F.linear(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
