@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     max_file_bytes: int = 200 * 1024 * 1024
     max_lines: int = 50_000
     max_batch_tokens: int = 200_000_000          # enqueued prompt tokens per batch
+    # Anthropic's Message Batches limits (POST /v1/messages/batches): requests per batch, body bytes.
+    max_message_batch_requests: int = 100_000
+    max_message_batch_bytes: int = 256 * 1024 * 1024
     completion_window_seconds: int = 24 * 3600
 
     # --- pipeline ---------------------------------------------------------------------

@@ -12,6 +12,8 @@ from starlette.responses import Response
 from sqlalchemy import text
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from nightshift.api.anthropic import routes as anthropic_routes
+from nightshift.api.anthropic.errors import anthropic_response
 from nightshift.api.database import RequestDatabase
 from nightshift.api.deps import DatabaseDep
 from nightshift.api.errors import error_response, install_error_handlers, refuse_unstorable_input
@@ -46,8 +48,12 @@ async def _lifespan(app: FastAPI):  # noqa: ANN202
         app.state.database.close()
 
 
+MESSAGE_BATCHES = "/v1/messages/batches"
+UPLOAD_PATHS = ("/v1/files", MESSAGE_BATCHES)      # POST bodies that are stored: file uploads, message batches
+
+
 class UploadGate:
-    """Uploads (POST /v1/files), as a plain ASGI middleware (no per-request task or body copy):
+    """Uploads (POST /v1/files, and message batches' create bodies), as a plain ASGI middleware (no per-request task or body copy):
     one whose declared length is over the limit is answered before its body is read, so it is
     never spooled; the others are taken ``api_concurrent_uploads`` at a time per process, the
     rest wait unread (their clients are held back by TCP). Parsing and storing a burst of
@@ -61,10 +67,16 @@ class UploadGate:
         self.loop: Optional[asyncio.AbstractEventLoop] = None   # ... this one
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/files":
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in UPLOAD_PATHS:
             settings = get_settings()
             declared = dict(scope["headers"]).get(b"content-length", b"")
-            if declared.isdigit() and int(declared) > settings.max_file_bytes + UPLOAD_SLACK_BYTES:
+            if scope["path"] == MESSAGE_BATCHES:
+                limit = settings.max_message_batch_bytes
+                if declared.isdigit() and int(declared) > limit:
+                    await anthropic_response(413, f"Request exceeds the maximum size of {limit} bytes for a message "
+                                                  "batch.")(scope, receive, send)
+                    return
+            elif declared.isdigit() and int(declared) > settings.max_file_bytes + UPLOAD_SLACK_BYTES:
                 response = error_response(400, f"File is larger than the limit of {settings.max_file_bytes} bytes.",
                                           param="file", code="file_too_large")
                 await response(scope, receive, send)
@@ -80,7 +92,8 @@ class UploadGate:
 
 def create_app() -> FastAPI:
     app = FastAPI(title="Nightshift", version="0.1.0", lifespan=_lifespan,
-                  description="Self-hosted, OpenAI-compatible batch inference (/v1/files, /v1/batches).",
+                  description="Self-hosted batch inference, OpenAI-compatible (/v1/files, /v1/batches) and "
+                              "Anthropic-compatible (/v1/messages/batches).",
                   dependencies=[Depends(refuse_unstorable_input)])   # NUL in ids, queries, bodies: 404/400
     install_error_handlers(app)
     app.state.key_projects = KeyProjects()
@@ -89,6 +102,7 @@ def create_app() -> FastAPI:
     app.add_middleware(RequestMetrics)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(anthropic_routes.router)
     app.include_router(costs.router)
     app.include_router(schedules.router)
     app.include_router(webhooks.router)

@@ -71,12 +71,17 @@ class Caller:
 
 
 async def _caller(request: Request, database: DatabaseDep) -> Caller:
+    """The key of ``Authorization: Bearer KEY`` (OpenAI's clients) or ``x-api-key: KEY``
+    (Anthropic's; their ``anthropic-version`` header is accepted and needs nothing)."""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
+        key = request.headers.get("x-api-key", "").strip()
+    if not key:
         raise APIError(401, "You didn't provide an API key. You need to provide your API key in an "
-                            "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+                            "Authorization header using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), "
+                            "or in an x-api-key header.")
     return Caller(key, database, getattr(request.app.state, "key_projects", None))
 
 

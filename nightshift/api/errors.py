@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sqlalchemy.exc import DataError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from nightshift.api.anthropic.errors import is_anthropic_path, reshape
 from nightshift.api.database import DatabaseUnavailable, Overloaded
 from nightshift.jobs.errors import Conflict, InvalidInput, NotFound
 from nightshift.jobs.storable import unstorable_text, unstorable_value
@@ -176,6 +177,8 @@ async def refuse_unstorable_input(request: Request) -> None:
         reason = unstorable_text(value)
         if reason:
             raise APIError(400, f"Invalid value for '{name}': it {reason}.", param=name, code="invalid_value")
+    if request.method == "POST" and request.url.path == "/v1/messages/batches":
+        return     # a create body streams to the store and is checked there (jobs/batches/anthropic_batches.py)
     if _is_json(request.headers.get("content-type")):
         try:
             body = await request.json()   # parsed once: FastAPI has read it already and kept it
@@ -199,15 +202,18 @@ def _is_json(content_type: Optional[str]) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
+def _shaped_by_path(handler):  # noqa: ANN001, ANN202
+    """The handler's answer, in Anthropic's envelope on Anthropic's paths (api/anthropic/errors.py)."""
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        response = await handler(request, exc)
+        return reshape(response) if is_anthropic_path(request.url.path) else response
+    return handle
+
+
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(NotFound, _not_found)
-    app.add_exception_handler(InvalidInput, _invalid_input)
-    app.add_exception_handler(Conflict, _conflict)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(Overloaded, _overloaded)
-    app.add_exception_handler(DatabaseUnavailable, _database_unavailable)
-    app.add_exception_handler(PoolTimeout, _pool_timeout)
-    app.add_exception_handler(DataError, _data_error)
-    app.add_exception_handler(Exception, _unexpected_error)
+    for kind, handler in ((APIError, _api_error), (NotFound, _not_found), (InvalidInput, _invalid_input),
+                          (Conflict, _conflict), (RequestValidationError, _validation_error),
+                          (StarletteHTTPException, _http_error), (Overloaded, _overloaded),
+                          (DatabaseUnavailable, _database_unavailable), (PoolTimeout, _pool_timeout),
+                          (DataError, _data_error), (Exception, _unexpected_error)):
+        app.add_exception_handler(kind, _shaped_by_path(handler))

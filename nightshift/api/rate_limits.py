@@ -42,6 +42,7 @@ from typing import Optional
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from nightshift.api.anthropic.errors import anthropic_body, is_anthropic_path
 from nightshift.api.fair_slots import REQUEST_KEY
 from nightshift.settings import Settings
 
@@ -222,12 +223,17 @@ def make_limiter(settings: Settings):  # noqa: ANN201 - LocalLimiter | RedisLimi
 
 
 def _bearer(scope: Scope) -> Optional[str]:
+    """The request's API key: a bearer token, else an ``x-api-key`` header (as api/deps.py reads it)."""
+    api_key = None
     for name, value in scope["headers"]:
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")
             token = token.strip()
-            return token if scheme.lower() == "bearer" and token else None
-    return None
+            if scheme.lower() == "bearer" and token:
+                return token
+        elif name == b"x-api-key":
+            api_key = value.decode("latin-1").strip() or None
+    return api_key
 
 
 class RateLimits:
@@ -255,7 +261,7 @@ class RateLimits:
         decision = await self._check(key) if self.limits_on else None
         if decision is not None and not decision.allowed:
             await self._hold(key, decision)
-            await _answer(send, 429, _rate_limited_body(decision), _limit_headers(decision) + [
+            await _answer(send, 429, _shaped(scope, _rate_limited_body(decision), 429), _limit_headers(decision) + [
                 (b"retry-after", str(max(1, math.ceil(decision.retry_after))).encode()),
                 (b"retry-after-ms", str(max(1, math.ceil(decision.retry_after * 1000))).encode())])
             return
@@ -263,7 +269,7 @@ class RateLimits:
         # 503s at once runs into its rate limit (and its held 429s) instead of spinning
         cap = self.settings.api_key_inflight
         if cap and self.inflight.get(key, 0) >= cap:
-            await _answer(send, 503, _BUSY_BODY, [(b"retry-after", str(self.settings.api_retry_after_seconds).encode())])
+            await _answer(send, 503, _shaped(scope, _BUSY_BODY, 503), [(b"retry-after", str(self.settings.api_retry_after_seconds).encode())])
             return
         self.inflight[key] = self.inflight.get(key, 0) + 1
         extra = _limit_headers(decision) if decision is not None else []
@@ -343,6 +349,13 @@ def _rate_limited_body(decision: Decision) -> bytes:
 _BUSY_BODY = orjson.dumps({"error": {
     "message": "Too many requests of this API key are in progress at once; retry after a short wait.",
     "type": "server_error", "param": None, "code": "server_overloaded"}})
+
+
+def _shaped(scope: Scope, body: bytes, status: int) -> bytes:
+    """An OpenAI-shaped error body, in Anthropic's envelope on its paths (api/anthropic/errors.py)."""
+    if not is_anthropic_path(scope["path"]):
+        return body
+    return orjson.dumps(anthropic_body(status, orjson.loads(body)["error"]["message"]))
 
 
 async def _answer(send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]) -> None:

@@ -354,7 +354,8 @@ class Engine:
         choices = [] if error is not None else [
             Choice(seq.choice_index, seq.output_token_ids, seq.text, seq.finish_reason,
                    list(seq.output_logprobs) if seq.sampling.logprobs else None,
-                   list(seq.output_top_logprobs) if seq.sampling.logprobs and seq.sampling.top_logprobs else None)
+                   list(seq.output_top_logprobs) if seq.sampling.logprobs and seq.sampling.top_logprobs else None,
+                   seq.stop_string)
             for seq in group.seqs]
         starts = [seq.first_token_time for seq in group.seqs if seq.first_token_time is not None]
         return GenerationOutput(

@@ -60,6 +60,7 @@ class Sequence:
         self.read_offset = 0
 
         self.finish_reason: Optional[str] = None
+        self.stop_string: Optional[str] = None       # the stop string that ended it, if one did
         self.error: Optional[RequestError] = None     # a request ended by an error while it ran
         self.first_token_time: Optional[float] = None
         self.engine_seconds = 0.0

@@ -32,14 +32,15 @@ def detokenize_incrementally(tokenizer: Decoder, seq: Sequence) -> str:
     return delta
 
 
-def find_stop_string(text: str, delta_len: int, stops: list[str]) -> Optional[int]:
-    """Index in `text` of the earliest stop string that ends inside the last delta_len chars."""
+def find_stop_string(text: str, delta_len: int, stops: list[str]) -> Optional[tuple[int, str]]:
+    """(index in `text`, the stop string) of the earliest stop string that ends inside the last
+    delta_len chars, or None."""
     best = None
     for stop in stops:
         start = max(0, len(text) - delta_len - len(stop) + 1)
         index = text.find(stop, start)
-        if index != -1 and (best is None or index < best):
-            best = index
+        if index != -1 and (best is None or index < best[0]):
+            best = (index, stop)
     return best
 
 
@@ -67,9 +68,10 @@ class StopChecker:
         if params.stop:
             delta = detokenize_incrementally(self.tokenizer, seq)
             if delta and seq.num_output_tokens >= params.min_tokens:
-                index = find_stop_string(seq.text, len(delta), params.stop)
-                if index is not None:
-                    seq.text = seq.text[:index]
+                found = find_stop_string(seq.text, len(delta), params.stop)
+                if found is not None:
+                    seq.text = seq.text[:found[0]]
+                    seq.stop_string = found[1]
                     return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.text = self.final_text(seq, drop_last=False)

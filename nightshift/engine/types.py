@@ -86,6 +86,7 @@ class Choice:
     finish_reason: str                # "stop" | "length" | "abort" | "error"
     logprobs: Optional[list[float]] = None                        # per token, when asked for
     top_logprobs: Optional[list[list[tuple[int, float]]]] = None  # per token: (token id, logprob), best first
+    stop_string: Optional[str] = None                             # the stop string that ended it (finish "stop")
 
 
 @dataclass

@@ -25,6 +25,11 @@ def response_request_id(request_row_id: int) -> str:
     return f"req_{request_row_id:016x}"
 
 
+def message_id(request_row_id: int) -> str:
+    """The ``id`` of an Anthropic Message answering a message batch's request (``msg_…``)."""
+    return f"msg_{request_row_id:016x}"
+
+
 def tool_call_id(request_row_id: int, choice: int, call: int) -> str:
     """The ``id`` of a tool call in a response (``call_…``), the same on every re-run."""
     return derived_id("call_", str(request_row_id), str(choice), str(call))

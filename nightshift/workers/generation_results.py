@@ -1,6 +1,7 @@
 """Between a row's OpenAI body and the engine, in an engine worker: the engine's SamplingParams
 of an accepted body, and a finished ``GenerationOutput`` as the row's result, its OpenAI
-response body (jobs/batches/response_bodies.py) or the engine's refusal as a 400 error body.
+response body (jobs/batches/response_bodies.py) or the engine's refusal as a 400 error body;
+a /v1/messages row's result is an Anthropic Message (jobs/batches/anthropic_messages.py).
 
 The body's choices: the engine's, in order, or best_of's best n (highest sum of token
 logprobs, best first). Each with its logprobs (token texts and bytes decoded one token at a
@@ -20,10 +21,11 @@ from nightshift.engine.tool_formats import parse_tool_calls
 from nightshift.engine.types import Choice, StructuredOutput
 from nightshift.jobs.batches.leases import RequestResult
 from nightshift.jobs.batches.models import RequestStatus
+from nightshift.jobs.batches.anthropic_messages import MESSAGES, message_body
 from nightshift.jobs.batches.openai_mapping import ResponsePlan, error_body, response_plan
 from nightshift.jobs.batches.response_bodies import ChoiceOutput, TokenLogprob, ToolCall, response_body
 from nightshift.jobs.batches.tool_calling import forced_calls
-from nightshift.jobs.ids import response_request_id, tool_call_id
+from nightshift.jobs.ids import message_id, response_request_id, tool_call_id
 
 
 def engine_sampling(kwargs: dict[str, Any]) -> SamplingParams:
@@ -74,6 +76,8 @@ def generation_result(row: Row, out: GenerationOutput, endpoint: str, model_name
         return RequestResult(row.id, RequestStatus.FAILED, response_status_code=400,
                              response_body=error_body(code, message, param), finish_reason="error",
                              prompt_tokens=0, finished_at=out.finish_time)
+    if endpoint == MESSAGES:
+        return _message_result(row, out, model_name)
     plan = response_plan(row.body, endpoint)
     pieces = TokenPieces(tokenizer)
     echo = _prompt_text(row, tokenizer) if plan.echo else ""
@@ -86,6 +90,18 @@ def generation_result(row: Row, out: GenerationOutput, endpoint: str, model_name
                          cached_tokens=out.cached_prompt_tokens, completion_tokens=out.completion_tokens,
                          engine_seconds=out.engine_seconds, first_token_at=out.first_token_time,
                          finished_at=out.finish_time)
+
+
+def _message_result(row: Row, out: GenerationOutput, model_name: str) -> RequestResult:
+    """An Anthropic message batch's request: a Messages API response (anthropic_messages.py)."""
+    choice = out.choices[0]
+    body = message_body(message_id(row.id), row.body.get("model") or model_name, choice.text, choice.finish_reason,
+                        choice.stop_string, out.prompt_tokens, out.cached_prompt_tokens, out.completion_tokens)
+    return RequestResult(row.id, RequestStatus.COMPLETED, response_status_code=200, response_body=body,
+                         finish_reason=choice.finish_reason if choice.finish_reason in ("stop", "length") else "stop",
+                         prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_prompt_tokens,
+                         completion_tokens=out.completion_tokens, engine_seconds=out.engine_seconds,
+                         first_token_at=out.first_token_time, finished_at=out.finish_time)
 
 
 def _returned(choices: list[Choice], count: int) -> list[Choice]:

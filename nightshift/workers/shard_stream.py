@@ -221,7 +221,7 @@ class ShardStream:
         body cannot run."""
         kwargs = sampling_kwargs(row.body, endpoint, len(row.prompt_token_ids), self.engine.max_model_len,
                                  self.settings.default_chat_max_tokens, self.settings.default_completion_max_tokens,
-                                 self.tool_format)
+                                 self.tool_format, self.settings.accepted_model_names())
         return GenerationRequest(str(row.id), list(row.prompt_token_ids), engine_sampling(kwargs))
 
     def _result_of(self, row: Row, out, endpoint: str) -> RequestResult:  # noqa: ANN001

@@ -215,6 +215,8 @@ def test_stop_token_ids_and_stop_strings(engine, tokenizer):
     assert out.finish_reason == "stop"
     assert out.text == full.text[:index]
     assert out.token_ids == full.token_ids[:len(out.token_ids)] and len(out.token_ids) < 24
+    assert out.choices[0].stop_string == stop           # which one ended it (Anthropic's stop_sequence)
+    assert full.choices[0].stop_string is None
 
 
 def test_same_seed_same_output_whatever_the_batch(make_engine, tokenizer):

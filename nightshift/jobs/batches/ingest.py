@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 from nightshift.jobs.batches import embeddings
 from nightshift.jobs.batches.documents import batch_document
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus, Shard
-from nightshift.jobs.batches.openai_mapping import (CHAT, EMBEDDINGS, RequestBodyError, chat_prompt,
+from nightshift.jobs.batches.openai_mapping import (CHAT, EMBEDDINGS, MESSAGES, RequestBodyError, chat_prompt,
                                                     planned_max_tokens, prompt_token_ids, requested_max_tokens)
 from nightshift.jobs.batches.progress import batch_progress
 from nightshift.jobs.batches.shard_planning import PlannedShard, plan_shards
@@ -132,8 +132,16 @@ def validate_input(store: ObjectStore, source: IngestSource, settings: Settings,
     if models is None:
         models = settings.accepted_embedding_model_names() if source.endpoint == EMBEDDINGS \
             else settings.accepted_model_names()
+    max_lines, max_bytes = ((settings.max_message_batch_requests, message_batch_file_bytes(settings))
+                            if source.endpoint == MESSAGES else (settings.max_lines, settings.max_file_bytes))
     return validate_lines(iter_lines(store.get_stream(source.object_key)), source.endpoint, models,
-                          max_lines=settings.max_lines, max_bytes=settings.max_file_bytes)
+                          max_lines=max_lines, max_bytes=max_bytes)
+
+
+def message_batch_file_bytes(settings: Settings) -> int:
+    """The largest input file of a message batch: its create body's limit plus the bytes each line
+    adds around the params (``{"custom_id":…,"method":"POST","url":"/v1/messages","body":…}``)."""
+    return settings.max_message_batch_bytes + 128 * settings.max_message_batch_requests
 
 
 def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: ANN001
@@ -168,8 +176,12 @@ def tokenize_lines(result: ValidationResult, endpoint: str, tokenizer,  # noqa: 
             else:
                 token_ids[i] = prompt_token_ids(vl.body, endpoint, tokenizer)
         except RequestBodyError as e:
+            if endpoint == MESSAGES:
+                continue        # that request errs on its own when its shard loads (anthropic_messages.py)
             result.add_error(e.code, e.message, f"body.{e.param}" if e.param else "body", vl.line)
         except Exception as e:  # the chat template itself refused these messages
+            if endpoint == MESSAGES:
+                continue
             result.add_error("invalid_request", f"The messages could not be formatted with the model's chat "
                              f"template: {e}", "body.messages", vl.line)
     if pending:

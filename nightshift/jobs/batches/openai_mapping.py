@@ -1,30 +1,35 @@
-"""OpenAI request bodies -> engine inputs, as plain data (no engine import here; workers/ turns
+"""Request bodies -> engine inputs, as plain data (no engine import here; workers/ turns
 the sampling dict into ``engine.SamplingParams``, its ``structured`` dict into
 ``engine.StructuredOutput``). Which fields a body may hold and what happens to each:
 request_fields.py; the chat as the template sees it: chat_history.py; response_format:
-response_formats.py; tools: tool_calling.py; the response bodies: response_bodies.py."""
+response_formats.py; tools: tool_calling.py; the response bodies: response_bodies.py. The
+/v1/messages bodies of Anthropic message batches (``params``): anthropic_messages.py."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from nightshift.jobs.batches import anthropic_messages
+from nightshift.jobs.batches.anthropic_messages import MESSAGES
 from nightshift.jobs.batches.chat_history import chat_messages, chat_prompt
 from nightshift.jobs.batches.request_errors import RequestBodyError, error_body
 from nightshift.jobs.batches.request_fields import CHAT, COMPLETIONS, check_fields
 from nightshift.jobs.batches.response_formats import structured_output
 from nightshift.jobs.batches.tool_calling import NO_TOOLS, ToolPlan, tool_grammar, tool_plan
 
-__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "ENDPOINTS", "RequestBodyError", "error_body", "chat_messages",
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "ENDPOINTS", "MESSAGES", "RequestBodyError", "error_body", "chat_messages",
            "chat_prompt", "prompt_token_ids", "sampling_kwargs", "response_plan", "ResponsePlan"]
 
 EMBEDDINGS = "/v1/embeddings"    # its bodies: jobs/batches/embeddings.py
-ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)
+ENDPOINTS = (CHAT, COMPLETIONS, EMBEDDINGS)    # OpenAI's: a /v1/batches file may name these
 
 
 def prompt_token_ids(body: dict[str, Any], endpoint: str, tokenizer) -> list[int]:  # noqa: ANN001
     """Token ids of the prompt: the model's chat template for chat (with the body's tools),
     plain encoding for completions."""
+    if endpoint == MESSAGES:
+        return anthropic_messages.prompt_token_ids(body, tokenizer)
     if endpoint == CHAT:
         messages, tools = chat_prompt(body, getattr(tokenizer, "tool_support", None))
         extra = {"tools": tools} if tools else {}
@@ -72,7 +77,7 @@ def planned_max_tokens(body: dict[str, Any], endpoint: str, default_chat: int, d
     except RequestBodyError:
         return 0
     if value is None:
-        value = default_chat if endpoint == CHAT else default_completion
+        value = default_completion if endpoint == COMPLETIONS else default_chat
     return min(max(value, 0) * runs, PLANNED_MAX_TOKENS_CAP)
 
 
@@ -231,7 +236,8 @@ def _structured(body: dict[str, Any], endpoint: str, tool_format: Optional[str])
 
 
 def sampling_kwargs(body: dict[str, Any], endpoint: str, prompt_len: int, max_model_len: int,
-                    default_chat: int, default_completion: int, tool_format: Optional[str] = None) -> dict[str, Any]:
+                    default_chat: int, default_completion: int, tool_format: Optional[str] = None,
+                    accepted_models: Optional[set[str]] = None) -> dict[str, Any]:
     """Keyword arguments for ``engine.SamplingParams`` from an OpenAI body (``structured`` is a
     dict for ``engine.StructuredOutput``, or None).
 
@@ -239,7 +245,10 @@ def sampling_kwargs(body: dict[str, Any], endpoint: str, prompt_len: int, max_mo
     the field the body used. A missing max_tokens takes the default, clamped so prompt +
     max_tokens fits the context (an explicit one is not clamped: the engine then answers
     context_length_exceeded, as OpenAI does). ``tool_format``: the model's own tool-call format
-    (engine/tool_formats.py), None when its chat template has none."""
+    (engine/tool_formats.py), None when its chat template has none. ``accepted_models``: the
+    names a /v1/messages body's model may be (OpenAI bodies' models are checked at ingest)."""
+    if endpoint == MESSAGES:
+        return anthropic_messages.sampling_kwargs(body, accepted_models)
     check_fields(body, endpoint)
     max_tokens = requested_max_tokens(body)
     if max_tokens is None:
@@ -298,6 +307,8 @@ class ResponsePlan:
 
 
 def response_plan(body: dict[str, Any], endpoint: str) -> ResponsePlan:
+    if endpoint == MESSAGES:
+        return ResponsePlan(1, False, 0, False)
     logprobs, top_logprobs = _logprobs(body, endpoint)
     return ResponsePlan(_choices(body, endpoint)[0], logprobs, top_logprobs, _echo(body, endpoint),
                         tool_plan(body) if endpoint == CHAT else NO_TOOLS)

@@ -8,7 +8,10 @@ Everything stored from a line must be storable in any database: no NUL character
 text and JSON cannot hold one) in ``custom_id`` or anywhere in the body, no deeper nesting than
 ``MAX_BODY_DEPTH``, a ``custom_id`` within its column.
 The body's other fields (sampling values, n, tools, response_format: request_fields.py) are not
-judged here: a bad value fails only that request (an error-file line), not the batch.
+judged here: a bad value fails only that request (an error-file line), not the batch. The lines
+of an Anthropic message batch (endpoint /v1/messages, written by the API from the create body)
+are checked here only for what every line needs (custom_id, storable values): their ``params``,
+model included, are judged per request (anthropic_messages.py), as Anthropic does.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from typing import Any, Iterable, Optional
 import orjson
 
 from nightshift.jobs.batches import embeddings
-from nightshift.jobs.batches.openai_mapping import CHAT, EMBEDDINGS
+from nightshift.jobs.batches.openai_mapping import CHAT, EMBEDDINGS, MESSAGES
 from nightshift.jobs.storable import MAX_JSON_DEPTH, unstorable_value
 
 MAX_ERRORS = 1000  # entries kept on the batch object; the count of the rest is reported
@@ -76,6 +79,8 @@ def _missing(name: str, line: int, result: ValidationResult) -> None:
 
 
 def _check_body(body: dict[str, Any], endpoint: str, line: int, result: ValidationResult) -> bool:
+    if endpoint == MESSAGES:
+        return True
     if endpoint == EMBEDDINGS:
         return _check_embeddings_body(body, line, result)
     ok = True
@@ -228,7 +233,10 @@ def validate_lines(raw_lines: Iterable[bytes], endpoint: str, accepted_models: s
             result.add_error("invalid_request", f"'{param}' {reason}.", param, number)
             continue
         model = body.get("model")
-        if model is None:
+        if endpoint == MESSAGES:
+            if result.model is None and isinstance(model, str) and model in accepted_models:
+                result.model = model        # the batch's model; a request naming another errs on its own
+        elif model is None:
             result.add_error("invalid_request", "Model parameter is required.", "body.model", number)
             line_ok = False
         elif not isinstance(model, str) or model not in accepted_models:

@@ -80,11 +80,12 @@ class StoredUpload:
 
 
 def store_upload(store: ObjectStore, settings: Settings, *, filename: str, purpose: str,
-                 source: BinaryIO) -> StoredUpload:
+                 source: BinaryIO, max_bytes: Optional[int] = None, max_lines: Optional[int] = None) -> StoredUpload:
     """Check the upload's name and purpose, then stream ``source`` into the store, counting bytes
     and lines against the limits (the object is removed again if anything fails). A file of
     nothing but whitespace is refused as empty, as a 0-byte one is. Needs no database: the API
-    calls it without holding a connection."""
+    calls it without holding a connection. ``max_bytes``, ``max_lines``: other limits than the
+    settings' upload limits (a message batch's input file has Anthropic's)."""
     if purpose not in UPLOAD_PURPOSES:
         raise InvalidInput(f"Invalid value: '{purpose}'. Supported values are: 'batch'.", "purpose",
                            "invalid_value")
@@ -95,7 +96,7 @@ def store_upload(store: ObjectStore, settings: Settings, *, filename: str, purpo
         raise InvalidInput("Invalid file format for Batch API. Must be .jsonl", "file", "invalid_file_format")
     file_id = new_id("file-")
     key = object_key(file_id)
-    counter = _LimitedCounter(source, settings.max_file_bytes, settings.max_lines)
+    counter = _LimitedCounter(source, max_bytes or settings.max_file_bytes, max_lines or settings.max_lines)
     try:
         store.put_stream(key, counter)
         if counter.blank:   # 0 bytes, or whitespace only: no line to run either way
