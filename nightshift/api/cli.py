@@ -6,10 +6,11 @@
   nightshift keys create --project NAME        print a new API key for the project
   nightshift keys list [--project NAME]        the keys (never their secrets)
   nightshift keys revoke KEY_ID                revoke a key: 401 from the next request on
-  nightshift submit FILE [--endpoint E] [--wait]   upload + create a batch; prints the batch id
+  nightshift submit FILE [--endpoint E] [--wait]   upload + create a batch; prints the batch id (a file of
+                                               Anthropic {"custom_id", "params"} requests: a message batch)
   nightshift retry BATCH_ID [--code C]... [--wait]   a new batch of the failed lines; prints its id
-  nightshift status BATCH_ID                   the batch object as JSON
-  nightshift results BATCH_ID [--which all|output|errors]   result lines to stdout
+  nightshift status BATCH_ID [--anthropic]     the batch object as JSON (--anthropic: a message batch's)
+  nightshift results BATCH_ID [--which all|output|errors] [--anthropic]   result lines to stdout
   nightshift cost BATCH_ID [--json|--csv] [--html FILE]   the batch's cost report
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import sys
 from typing import Optional
 
-from nightshift.api.cli_client import BatchClient, resolve_api_key, resolve_base_url
+from nightshift.api.cli_client import BatchClient, is_message_batch_file, resolve_api_key, resolve_base_url
 from nightshift.api.cli_cost import add_cost_command
 
 
@@ -120,6 +121,8 @@ def _client(args: argparse.Namespace) -> BatchClient:
 
 def _cmd_submit(args: argparse.Namespace) -> int:
     client = _client(args)
+    if is_message_batch_file(args.file):       # Anthropic's face: {"custom_id", "params"} requests
+        return _report(client, client.submit_messages(args.file), args)
     return _report(client, client.submit(args.file, endpoint=args.endpoint), args)
 
 
@@ -140,12 +143,20 @@ def _report(client: BatchClient, batch: dict, args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    print(json.dumps(_client(args).batch(args.batch_id), indent=2))
+    client = _client(args)
+    batch = client.message_batch(args.batch_id) if args.anthropic else client.batch(args.batch_id)
+    print(json.dumps(batch, indent=2))
     return 0
 
 
 def _cmd_results(args: argparse.Namespace) -> int:
     client = _client(args)
+    if args.anthropic:
+        out = sys.stdout.buffer
+        for chunk in client.message_batch_results(args.batch_id):
+            out.write(chunk)
+        out.flush()
+        return 0
     batch = client.batch(args.batch_id)
     if not (batch.get("output_file_id") or batch.get("error_file_id")):
         print(f"batch {batch['id']} is {batch['status']}: no result files (yet)", file=sys.stderr)
@@ -216,12 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="print the batch object")
     p.add_argument("batch_id")
+    p.add_argument("--anthropic", action="store_true", help="a message batch as Anthropic's API shows it")
     _add_client_options(p)
     p.set_defaults(func=_cmd_status)
 
     p = sub.add_parser("results", help="print the batch's result lines (output, then errors)")
     p.add_argument("batch_id")
     p.add_argument("--which", choices=("all", "output", "errors"), default="all")
+    p.add_argument("--anthropic", action="store_true", help="a message batch's results as Anthropic's result lines")
     _add_client_options(p)
     p.set_defaults(func=_cmd_results)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,41 @@ def first_line_url(path: str) -> str:
     return "/v1/chat/completions"
 
 
+CREATE_BODY = re.compile(rb'^\s*\{\s*"requests"\s*:')
+
+
+def is_message_batch_file(path: str) -> bool:
+    """Whether a file holds Anthropic message batch requests: a create body ``{"requests": [...]}``,
+    or JSONL lines ``{"custom_id", "params"}`` (an OpenAI batch file's lines have ``url`` instead)."""
+    with open(path, "rb") as f:
+        head = f.read(64 * 1024)
+    if CREATE_BODY.match(head):
+        return True
+    try:
+        first = json.loads(head.lstrip().split(b"\n", 1)[0])
+    except ValueError:
+        return False
+    return isinstance(first, dict) and "params" in first and "url" not in first
+
+
+def _message_batch_body(path: str) -> Iterator[bytes]:
+    """The create body of a requests file, streamed: the file itself when it is one, else its
+    lines wrapped in ``{"requests": [...]}``."""
+    with open(path, "rb") as f:
+        if CREATE_BODY.match(f.read(4096)):
+            f.seek(0)
+            yield from iter(lambda: f.read(1 << 20), b"")
+            return
+        f.seek(0)
+        yield b'{"requests": ['
+        first = True
+        for line in f:
+            if line.strip():
+                yield (b"" if first else b",") + line.strip()
+                first = False
+        yield b"]}"
+
+
 class BatchClient:
     def __init__(self, base_url: str, api_key: str, timeout: float = 600.0):
         self.http = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {api_key}"},
@@ -85,6 +121,23 @@ class BatchClient:
         return self._call("POST", "/batches", json={"input_file_id": file["id"],
                                                     "endpoint": endpoint or first_line_url(path),
                                                     "completion_window": "24h"}).json()
+
+    def submit_messages(self, path: str) -> dict:
+        """A message batch (Anthropic's face) of a file of ``{"custom_id", "params"}`` lines, or of
+        a whole create body ``{"requests": [...]}``; the body streams from the file."""
+        return self._call("POST", "/messages/batches", content=_message_batch_body(path),
+                          headers={"content-type": "application/json"}).json()
+
+    def message_batch(self, batch_id: str) -> dict:
+        return self._call("GET", f"/messages/batches/{batch_id}").json()
+
+    def message_batch_results(self, batch_id: str) -> Iterator[bytes]:
+        try:
+            with self.http.stream("GET", f"/messages/batches/{batch_id}/results") as response:
+                self._check(response)
+                yield from response.iter_bytes()
+        except httpx.TransportError as exc:
+            raise CLIError(f"cannot reach {self.http.base_url}: {exc}") from None
 
     def retry(self, batch_id: str, error_codes: Optional[list[str]] = None) -> dict:
         body = {"error_codes": error_codes} if error_codes else {}

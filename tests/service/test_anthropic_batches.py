@@ -6,6 +6,8 @@ results, one invalid request among valid ones, every custom_id answered once, us
 cost report."""
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import time
 import uuid
@@ -174,6 +176,14 @@ def test_production_shape_runs_message_batches(pg_url, s3_server, tmp_path):
         assert report["tokens"]["cached_prompt_tokens"] == sum(u.cache_read_input_tokens for u in usages)
         assert report["tokens"]["completion_tokens"] == sum(u.output_tokens for u in usages)
 
+        # retry of the failed lines (the OpenAI face's /retry) is a message batch again
+        retried = httpx.post(f"{openai_client.base_url}batches/{batch.id}/retry",
+                             headers={"Authorization": f"Bearer {key}"}, json={}, timeout=30).json()
+        assert retried["id"].startswith("msgbatch_") and retried["metadata"] == {"retry_of": batch.id}, retried
+        again = wait_ended(client, retried["id"], service)
+        assert again.request_counts.errored == 2 and again.request_counts.succeeded == 0
+        _check_results(client, again, [], {"uses-tools": "tools", "other-model": "model"})
+
         long_one = wait_ended(client, long_one.id, service)
         counts = long_one.request_counts
         assert counts.processing == 0 and counts.succeeded + counts.canceled == 40 and counts.errored == 0
@@ -202,5 +212,24 @@ def test_embedded_default_runs_message_batches(tmp_path):
         batch = wait_ended(client, batch.id, service)
         assert batch.request_counts.succeeded == 3 and batch.request_counts.errored == 1, service.log("serve")
         _check_results(client, batch, [f"r-{i}" for i in range(3)], {"bad-temperature": "temperature"})
+
+        # the CLI's face of the same: a file of {"custom_id", "params"} lines becomes a message batch
+        requests = tmp_path / "requests.jsonl"
+        requests.write_text("".join(json.dumps(r) + "\n" for r in requests_of(2, "cli")))
+        cli = [sys.executable, "-m", "nightshift.api.cli"]
+        where = ["--base-url", f"http://127.0.0.1:{port}/v1"]
+        submitted = subprocess.run(cli + ["submit", str(requests), "--wait", "--quiet"] + where, env=service.env,
+                                   capture_output=True, text=True, timeout=600)
+        assert submitted.returncode == 0, submitted.stderr
+        batch_id = submitted.stdout.strip()
+        assert batch_id.startswith("msgbatch_")
+        status = subprocess.run(cli + ["status", batch_id, "--anthropic"] + where, env=service.env,
+                                capture_output=True, text=True, timeout=60)
+        assert json.loads(status.stdout)["request_counts"]["succeeded"] == 2, status.stderr
+        results = subprocess.run(cli + ["results", batch_id, "--anthropic"] + where, env=service.env,
+                                 capture_output=True, text=True, timeout=60)
+        lines = [json.loads(line) for line in results.stdout.splitlines()]
+        assert sorted(r["custom_id"] for r in lines) == ["cli-0", "cli-1"]
+        assert all(r["result"]["type"] == "succeeded" for r in lines)
     finally:
         service.stop()

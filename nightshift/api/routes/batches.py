@@ -14,7 +14,9 @@ from nightshift.api.schemas.batches import BatchCreate, BatchObject, BatchRetry
 from nightshift.api.schemas.common import ListPage
 from nightshift.jobs.batches import retry as batch_retry
 from nightshift.jobs.batches import service as batch_service
+from nightshift.jobs.batches.anthropic_messages import MESSAGES
 from nightshift.jobs.batches.documents import batch_document
+from nightshift.jobs.batches.ingest import message_batch_file_bytes
 from nightshift.jobs.batches.models import Batch
 from nightshift.jobs.batches.progress import BatchProgress, batch_progress
 from nightshift.jobs.files import uploads
@@ -89,8 +91,10 @@ async def retry_batch(batch_id: str, caller: CallerDep, store: StoreDep, setting
     body = body or BatchRetry()
     source = await caller.read(lambda session, project_id:
                                batch_retry.failed_lines(session, project_id, batch_id, body.error_codes))
+    limits = ({"max_bytes": message_batch_file_bytes(settings), "max_lines": settings.max_message_batch_requests}
+              if source.endpoint == MESSAGES else {})     # a message batch keeps Anthropic's limits
     upload = await run_in_threadpool(uploads.store_upload, store, settings, filename=f"{batch_id}_retry.jsonl",
-                                     purpose="batch", source=io.BytesIO(source.jsonl))
+                                     purpose="batch", source=io.BytesIO(source.jsonl), **limits)
     try:
         batch = await caller.run(lambda session, project:
                                  _one(session, batch_retry.create_retry_batch(session, settings, project_id=project,

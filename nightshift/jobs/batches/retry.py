@@ -19,6 +19,8 @@ import orjson
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from nightshift.jobs.batches.anthropic_batches import create_message_batch
+from nightshift.jobs.batches.anthropic_messages import MESSAGES
 from nightshift.jobs.batches.models import Batch, BatchStatus, Request, RequestStatus
 from nightshift.jobs.batches.service import create_batch, get_batch
 from nightshift.jobs.errors import Conflict
@@ -81,9 +83,14 @@ def create_retry_batch(session: Session, settings: Settings, *, project_id: str,
     commits, then sends the ingest wake-up), and link both batches."""
     meta = {**(metadata or {}), "retry_of": source.batch_id}
     file = record_file(session, project_id, upload)
-    batch = create_batch(session, settings, project_id=project_id, input_file_id=file.id, endpoint=source.endpoint,
-                         completion_window=source.completion_window, metadata=meta,
-                         output_expires_after_seconds=source.output_expires_after_seconds)
+    if source.endpoint == MESSAGES:     # a message batch's retry is a message batch too
+        batch = create_message_batch(session, settings, project_id=project_id, input_file_id=file.id,
+                                     requests=source.count)
+        batch.metadata_ = meta
+    else:
+        batch = create_batch(session, settings, project_id=project_id, input_file_id=file.id,
+                             endpoint=source.endpoint, completion_window=source.completion_window, metadata=meta,
+                             output_expires_after_seconds=source.output_expires_after_seconds)
     original = get_batch(session, project_id, source.batch_id)
     original.metadata_ = {**(original.metadata_ or {}), "retried_by": batch.id}
     return batch
