@@ -1,4 +1,5 @@
-"""ModelConfig: the shape of a decoder (Llama family, Qwen3, Gemma 2/3, Phi-3), read from GGUF
+"""ModelConfig: the shape of a decoder (Llama family, Qwen3, Gemma 2/3, Phi-3, and the mixture-of-
+experts decoders Mixtral, Qwen3-MoE, OLMoE), read from GGUF
 metadata or HF config.json. A config field the engine cannot honour is refused here with a
 ValueError naming it: a model is never loaded approximately."""
 from __future__ import annotations
@@ -6,7 +7,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3",
+                           "mixtral", "qwen3_moe", "olmoe")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe")
+# mixture-of-experts families the engine does not run (shared experts, grouped routing, ...):
+# refused by name rather than as an unknown architecture
+UNSUPPORTED_MOE_ARCHITECTURES = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "qwen3_next", "phimoe", "granitemoe",
+                                 "jamba", "dbrx", "llama4_text", "gpt_oss")
 GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -40,6 +47,14 @@ class ModelConfig:
     query_pre_attn_scalar: Optional[float] = None     # attention scale = this ** -0.5 (Gemma)
     rope_local_base_freq: Optional[float] = None      # RoPE base of sliding layers, no scaling (Gemma 3)
     partial_rotary_factor: float = 1.0                # RoPE on the first head_dim * this dims (Phi-3)
+    qk_norm_per_head: bool = True     # qk_norm over each head (Qwen3) or over the whole q / k projection (OLMoE)
+    clip_qkv: Optional[float] = None  # q, k, v clamped to [-c, c] after the projections (OLMoE)
+    # --- mixture of experts (models/moe.py); num_experts 0: every layer a dense MLP ---
+    num_experts: int = 0
+    num_experts_per_tok: int = 0      # top-k experts per token
+    moe_intermediate_size: Optional[int] = None       # each expert's width (None: intermediate_size)
+    norm_topk_prob: bool = True       # the chosen k router probabilities renormalised to sum to 1
+    dense_mlp_layers: list[int] = field(default_factory=list)   # layers with a dense MLP instead of experts
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -53,6 +68,9 @@ class ModelConfig:
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
                 raise ValueError(f"layer_types must be {self.num_layers} of {LAYER_TYPES}, got {self.layer_types}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts="
+                             f"{self.num_experts}")
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor} gives an unusable rotary "
                              f"dimension {self.rotary_dim} of head_dim {self.head_dim}")
@@ -65,6 +83,14 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         return (self.query_pre_attn_scalar if self.query_pre_attn_scalar else self.head_dim) ** -0.5
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is a mixture of experts (else a dense MLP of intermediate_size)."""
+        return self.num_experts > 0 and layer not in self.dense_mlp_layers
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding_attention"
@@ -87,10 +113,18 @@ class ModelConfig:
     @property
     def projection_shapes(self) -> tuple[tuple[int, int], ...]:
         """`[out, in]` of every matmul of a forward pass, in order: each layer's fused q|k|v,
-        attention output, fused gate|up and down projections, then the LM head."""
-        h, q, kv, i = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
-            self.intermediate_size
-        return ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i)) * self.num_layers + ((self.vocab_size, h),)
+        attention output, fused gate|up and down projections (a mixture-of-experts layer: each
+        token's top-k experts' ones, the router aside), then the LM head."""
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        shapes: tuple[tuple[int, int], ...] = ()
+        for layer in range(self.num_layers):
+            if self.is_moe(layer):
+                i = self.expert_intermediate_size
+                shapes += ((q + 2 * kv, h), (h, q)) + ((2 * i, h), (h, i)) * self.num_experts_per_tok
+            else:
+                i = self.intermediate_size
+                shapes += ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i))
+        return shapes + ((self.vocab_size, h),)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
@@ -100,6 +134,10 @@ class ModelConfig:
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":
         """From a Hugging Face config.json (Llama, Qwen2, Mistral, Qwen3, Gemma 2, Gemma 3 text, Phi-3)."""
         model_type = cfg.get("model_type", "llama")
+        if model_type in UNSUPPORTED_MOE_ARCHITECTURES:
+            raise ValueError(f"unsupported model architecture {model_type!r}: its mixture of experts (shared "
+                             f"experts or its own routing) is not implemented; supported mixtures of experts: "
+                             f"{', '.join(MOE_ARCHITECTURES)}")
         if model_type in NEWER_ARCHITECTURES:
             return _from_newer_hf_config(cls, cfg, model_type, name)
         required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -202,8 +240,13 @@ def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> Optional[dict[str, An
 
 
 # ---- the newer architectures (config.json of transformers 4.x or 5.x) ------------------------
-NEWER_ARCHITECTURES = ("qwen3", "gemma2", "gemma3_text", "phi3")
-_ACTIVATION = {"qwen3": "silu", "phi3": "silu", "gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh"}
+NEWER_ARCHITECTURES = ("qwen3", "gemma2", "gemma3_text", "phi3") + MOE_ARCHITECTURES
+_ACTIVATION = {"qwen3": "silu", "phi3": "silu", "gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh",
+               "mixtral": "silu", "qwen3_moe": "silu", "olmoe": "silu"}
+# config fields of mixture-of-experts checkpoints the engine does not implement: refused when set
+_UNSUPPORTED_MOE_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
+                           "moe_shared_expert_intermediate_size", "n_group", "topk_group", "routed_scaling_factor",
+                           "first_k_dense_replace", "moe_layer_freq")
 _TIED_BY_DEFAULT = ("gemma2", "gemma3_text")
 
 
@@ -265,7 +308,14 @@ def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) 
     # which layers attend through a window
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types")
-    if model_type == "qwen3":
+    if model_type == "olmoe" and window:
+        raise ValueError("olmoe: sliding_window is not supported (OLMoE attends causally over the whole context)")
+    if model_type in ("mixtral", "qwen3_moe"):
+        # transformers applies the window to every layer (qwen3_moe: only with use_sliding_window)
+        if model_type == "qwen3_moe" and not cfg.get("use_sliding_window"):
+            window = None
+        layer_types = ["sliding_attention"] * layers if window else None
+    elif model_type == "qwen3":
         if not cfg.get("use_sliding_window"):
             window = None
         elif layer_types is None:
@@ -284,6 +334,7 @@ def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) 
     if model_type == "gemma3_text" and local_theta is None:
         local_theta = 10000.0          # transformers' default rope_local_base_freq
 
+    moe = _moe_fields(cfg, model_type, layers)
     eos = cfg.get("eos_token_id")
     return cls(
         architecture=model_type,
@@ -303,7 +354,7 @@ def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) 
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         name=name,
-        qk_norm=model_type in ("qwen3", "gemma3_text"),
+        qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
         sliding_window=window or None,
         layer_types=layer_types if window else None,
         attn_logit_softcapping=cfg.get("attn_logit_softcapping") if gemma else None,
@@ -311,4 +362,43 @@ def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) 
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
         rope_local_base_freq=float(local_theta) if local_theta is not None else None,
         partial_rotary_factor=float(partial),
+        **moe,
     )
+
+
+def _moe_fields(cfg: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture-of-experts config.json (none for the dense ones)."""
+    if model_type not in MOE_ARCHITECTURES:
+        return {}
+    for key in _UNSUPPORTED_MOE_FIELDS:
+        if cfg.get(key):
+            raise ValueError(f"{model_type}: {key}={cfg[key]!r} is not supported (no shared experts or grouped "
+                             f"routing in the engine's mixture of experts)")
+    # Mixtral names it num_local_experts, Qwen3-MoE / OLMoE num_experts (transformers 5 may write either)
+    default = {"mixtral": 8, "qwen3_moe": 128, "olmoe": 64}[model_type]
+    experts = next((cfg[k] for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None), default)
+    # Mixtral always renormalises the top k; the others as norm_topk_prob says (default False)
+    norm_topk = True if model_type == "mixtral" else bool(cfg.get("norm_topk_prob", False))
+    dense: list[int] = []
+    fields: dict[str, Any] = {"num_experts": int(experts), "norm_topk_prob": norm_topk,
+                              "num_experts_per_tok": int(cfg.get("num_experts_per_tok",
+                                                                 {"mixtral": 2, "qwen3_moe": 8}.get(model_type, 8)))}
+    if model_type == "qwen3_moe":
+        step = int(cfg.get("decoder_sparse_step", 1))
+        if step < 1:
+            raise ValueError(f"qwen3_moe: decoder_sparse_step={step} must be >= 1")
+        only = list(cfg.get("mlp_only_layers") or [])
+        dense = [i for i in range(layers) if i in only or experts == 0 or (i + 1) % step]
+        fields["moe_intermediate_size"] = int(cfg.get("moe_intermediate_size", 768))
+    if model_type == "olmoe":
+        fields["qk_norm_per_head"] = False
+        if cfg.get("clip_qkv") is not None:
+            fields["clip_qkv"] = float(cfg["clip_qkv"])
+        head_dim = cfg.get("head_dim")
+        if head_dim and head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
+            raise ValueError(f"olmoe: head_dim={head_dim} is not supported (OLMoE's k_norm assumes "
+                             f"hidden_size / num_attention_heads)")
+    fields["dense_mlp_layers"] = dense
+    if experts == 0:
+        fields["num_experts_per_tok"] = 0
+    return fields

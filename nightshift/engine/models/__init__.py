@@ -1,5 +1,6 @@
 """Model architectures: the shared decoder of models/llama.py (Llama, SmolLM, Qwen2, Mistral),
-and the architectures that declare their differences on it (qwen3.py, gemma.py, phi3.py).
+and the architectures that declare their differences on it (qwen3.py, gemma.py, phi3.py; moe.py:
+the mixture-of-experts decoders Mixtral, Qwen3-MoE, OLMoE).
 `build_model` picks the class by the config's architecture."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from nightshift.engine.layers.linear import LinearFactory
 from nightshift.engine.models.gemma import GemmaForCausalLM
 from nightshift.engine.models.llama import LlamaForCausalLM
+from nightshift.engine.models.moe import MixtralForCausalLM, MoeForCausalLM
 from nightshift.engine.models.phi3 import Phi3ForCausalLM
 from nightshift.engine.models.qwen3 import Qwen3ForCausalLM
 
@@ -18,6 +20,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen3": Qwen3ForCausalLM,
     "gemma2": GemmaForCausalLM, "gemma3_text": GemmaForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "mixtral": MixtralForCausalLM, "qwen3_moe": MoeForCausalLM, "olmoe": MoeForCausalLM,
 }
 
 
@@ -31,5 +34,5 @@ def build_model(checkpoint, dtype: torch.dtype = torch.float32, device: str = "c
     return model.eval()
 
 
-__all__ = ["GemmaForCausalLM", "LlamaForCausalLM", "MODEL_CLASSES", "Phi3ForCausalLM", "Qwen3ForCausalLM",
-           "build_model"]
+__all__ = ["GemmaForCausalLM", "LlamaForCausalLM", "MODEL_CLASSES", "MixtralForCausalLM", "MoeForCausalLM",
+           "Phi3ForCausalLM", "Qwen3ForCausalLM", "build_model"]

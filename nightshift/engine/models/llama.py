@@ -1,5 +1,5 @@
 """Llama-family decoder (Llama, SmolLM, Qwen2, Mistral shapes) in plain torch, over a paged KV cache.
-It is also the shared decoder of the other architectures (qwen3.py, gemma.py, phi3.py): each
+It is also the shared decoder of the other architectures (qwen3.py, gemma.py, phi3.py, moe.py): each
 declares its differences on it (a norm, a layer, the checkpoint's fused projections, the RoPE
 tables, embedding scale) through the class attributes and hooks of LlamaForCausalLM, and the
 config switches the rest (q/k norms, sliding windows, soft-capping, partial rotary).
@@ -133,17 +133,23 @@ class Attention(nn.Module):
             self.q_norm = arch.norm(tensor(f"{prefix}.q_norm.weight"), config.rms_norm_eps)
             self.k_norm = arch.norm(tensor(f"{prefix}.k_norm.weight"), config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache: KVCache, attention: AttentionBackend, meta: StepMetadata):
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q and k heads `[T, num_heads + num_kv_heads, head_dim]` (q/k-normed where the
+        config says so, before RoPE) and v `[T, num_kv_heads, head_dim]` (a hook: OLMoE's norms)."""
         tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        return qk, v.view(tokens, self.num_kv_heads, self.head_dim)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, attention: AttentionBackend, meta: StepMetadata):
+        tokens = x.shape[0]
+        qk, v = self.project(x)
         # q and k heads rotated in one go (fewer ops per layer; per-op overhead matters on CPU)
         qk = apply_rope(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         attention.store_kv(k_cache, v_cache, k, v, meta)
         if self.window is None and self.softcap is None:
@@ -171,6 +177,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks; `build_attention` / `build_mlp` are the hooks of the
+    architectures with other blocks (moe.py: experts, OLMoE's q/k norms)."""
+
     def __init__(self, config: ModelConfig, layer: int, projection: Projection, tensor,
                  arch: type[Architecture] = Architecture):
         super().__init__()
@@ -178,8 +187,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = arch.norm(tensor(f"{prefix}.input_layernorm.weight"), config.rms_norm_eps)
         self.post_attention_layernorm = arch.norm(tensor(f"{prefix}.post_attention_layernorm.weight"),
                                                   config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, projection, tensor, arch)
-        self.mlp = MLP(config, layer, projection, arch)
+        self.self_attn = self.build_attention(config, layer, projection, tensor, arch)
+        self.mlp = self.build_mlp(config, layer, projection, tensor, arch)
+
+    def build_attention(self, config: ModelConfig, layer: int, projection: Projection, tensor,
+                        arch: type[Architecture]) -> nn.Module:
+        return Attention(config, layer, projection, tensor, arch)
+
+    def build_mlp(self, config: ModelConfig, layer: int, projection: Projection, tensor,
+                  arch: type[Architecture]) -> nn.Module:
+        return MLP(config, layer, projection, arch)
 
     def forward(self, x, cos, sin, kv_cache, attention, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attention, meta)

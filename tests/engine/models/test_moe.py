@@ -1,0 +1,151 @@
+"""Mixture-of-experts decoders (models/moe.py): Mixtral, Qwen3-MoE and OLMoE against transformers'
+MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM float32 (checks: model_check.py).
+
+The tiny models have their router and expert weights scaled up from transformers' init (std
+0.02), so that routing is decisive (the top-k choice and the router weights move the logits
+far beyond the tolerance: a wrong normalisation or a wrong expert fails the checks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_check import VOCAB, check_engine, check_int4, check_steps, prompt, randomize_norms, save
+from nightshift.engine.loader import load_model
+from nightshift.engine.model_config import ModelConfig
+from nightshift.engine.models import MixtralForCausalLM, MoeForCausalLM
+from nightshift.engine.models.llama import MLP
+from nightshift.engine.models.moe import OlmoeAttention, SparseMoeBlock
+
+pytestmark = pytest.mark.slow
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=512, tie_word_embeddings=False, rms_norm_eps=1e-6)
+
+
+def hf_model(family: str):
+    import transformers as tf
+    if family == "mixtral":
+        config = tf.MixtralConfig(**COMMON, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2)
+        return tf.MixtralForCausalLM(config)
+    if family == "qwen3_moe":
+        # layer 1 dense (mlp_only_layers), experts of their own width, renormalised top-k
+        config = tf.Qwen3MoeConfig(**COMMON, head_dim=32, intermediate_size=128, moe_intermediate_size=64,
+                                   num_experts=6, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+        return tf.Qwen3MoeForCausalLM(config)
+    # OLMoE: top-k weights not renormalised (its default), q/k norms over the whole projection, clip_qkv
+    config = tf.OlmoeConfig(**COMMON, intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                            norm_topk_prob=False, clip_qkv=1.5, eos_token_id=2, pad_token_id=1)
+    return tf.OlmoeForCausalLM(config)
+
+
+def decisive_routing(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".gate.weight") and param.dim() == 2 and param.shape[0] < 16:
+                param.normal_(0.0, 0.3)           # router: clear preferences, far from ties
+            elif ".experts." in name:
+                param.mul_(4.0)
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "olmoe"])
+def tiny(request, tmp_path_factory):
+    torch.manual_seed(0)
+    reference = hf_model(request.param).eval()
+    randomize_norms(reference)
+    decisive_routing(reference)
+    folder = save(reference, tmp_path_factory.mktemp(request.param))
+    return request.param, reference, folder, load_model(folder, cpu_math="float32")
+
+
+def test_config_and_class(tiny):
+    family, _, _, ours = tiny
+    cfg = ours.config
+    assert cfg.architecture == family and cfg.num_layers == 2 and cfg.num_experts_per_tok == 2
+    moe = ours.layers[0].mlp
+    assert isinstance(moe, SparseMoeBlock) and len(moe.experts) == cfg.num_experts
+    if family == "mixtral":
+        assert isinstance(ours, MixtralForCausalLM) and cfg.norm_topk_prob and not cfg.qk_norm
+        assert cfg.num_experts == 8 and isinstance(ours.layers[1].mlp, SparseMoeBlock)
+    elif family == "qwen3_moe":
+        assert type(ours) is MoeForCausalLM and cfg.qk_norm and cfg.qk_norm_per_head and cfg.norm_topk_prob
+        assert cfg.dense_mlp_layers == [1] and type(ours.layers[1].mlp) is MLP
+        assert moe.experts[0].intermediate == 64 and ours.layers[0].self_attn.q_norm.weight.shape == (32,)
+    else:
+        assert type(ours) is MoeForCausalLM and not cfg.norm_topk_prob and not cfg.qk_norm_per_head
+        assert cfg.clip_qkv == 1.5 and isinstance(ours.layers[0].self_attn, OlmoeAttention)
+        assert ours.layers[0].self_attn.q_norm.weight.shape == (64,)
+        assert ours.layers[0].self_attn.k_norm.weight.shape == (32,)
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "torch"])
+def test_prefill_and_decode_logits_match_hf(tiny, cpu_kernel):
+    _, reference, _, ours = tiny
+    check_steps(ours, reference, prompt(45, 1), chunk=16, cpu_kernel=cpu_kernel)
+
+
+def test_engine_batch_prefix_cache_chunked_matches_hf(tiny):
+    _, reference, _, ours = tiny
+    check_engine(ours, reference)
+
+
+def test_int4_load_runs_and_quantizes_experts_not_router(tiny, tmp_path):
+    from nightshift.engine.quant.config import resolve_quant_config
+    from nightshift.engine.quant.int4_linear import Int4Linear
+    _, _, folder, _ = tiny
+    check_int4(folder, tmp_path, prompt(20, 2))
+    model = load_model(folder, quant_config=resolve_quant_config("int4"), cache_dir=str(tmp_path),
+                       cpu_math="float32")
+    moe = model.layers[0].mlp
+    assert all(isinstance(e.gate_up_proj, Int4Linear) and isinstance(e.down_proj, Int4Linear) for e in moe.experts)
+    assert moe.gate.dtype == torch.float32
+
+
+def test_experts_are_grouped_gemms_not_a_token_loop(tiny):
+    """A step calls each used expert's projections once, whatever its number of tokens."""
+    _, _, _, ours = tiny
+    moe = ours.layers[0].mlp
+    calls = []
+    hooks = [e.gate_up_proj.register_forward_pre_hook(lambda m, a, e=i: calls.append((e, a[0].shape[0])))
+             for i, e in enumerate(moe.experts)]
+    try:
+        x = torch.randn(50, ours.config.hidden_size)
+        out = moe(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    experts = [e for e, _ in calls]
+    assert len(experts) == len(set(experts)) <= moe.num_experts
+    assert sum(n for _, n in calls) == 50 * moe.top_k and out.shape == x.shape
+
+
+MOE_CFG = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "intermediate_size": 128,
+           "vocab_size": 100}
+
+
+def test_qwen3_moe_sparse_step_and_mlp_only_layers():
+    cfg = {**MOE_CFG, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    parsed = ModelConfig.from_hf_config(cfg)
+    assert [parsed.is_moe(i) for i in range(4)] == [False, True, False, False]
+    assert not parsed.norm_topk_prob and parsed.expert_intermediate_size == 32
+    assert not any(ModelConfig.from_hf_config({**cfg, "num_experts": 0}).is_moe(i) for i in range(4))
+    sliding = ModelConfig.from_hf_config({**cfg, "use_sliding_window": True, "sliding_window": 16})
+    assert [sliding.layer_window(i) for i in range(4)] == [16] * 4
+    assert ModelConfig.from_hf_config({**cfg, "sliding_window": 16}).layer_window(0) is None
+
+
+def test_unsupported_moe_configs_are_refused_by_name():
+    with pytest.raises(ValueError, match="qwen2_moe"):
+        ModelConfig.from_hf_config({**MOE_CFG, "model_type": "qwen2_moe", "num_experts": 4,
+                                    "shared_expert_intermediate_size": 64})
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
+        ModelConfig.from_hf_config({**MOE_CFG, "model_type": "qwen3_moe", "num_experts": 4,
+                                    "shared_expert_intermediate_size": 64})
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf_config({**MOE_CFG, "model_type": "mixtral", "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_config({**MOE_CFG, "model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 5})
+    with pytest.raises(ValueError, match="sliding_window"):
+        ModelConfig.from_hf_config({**MOE_CFG, "model_type": "olmoe", "sliding_window": 16})
+    mixtral = ModelConfig.from_hf_config({**MOE_CFG, "model_type": "mixtral", "sliding_window": 32})
+    assert mixtral.num_experts == 8 and mixtral.norm_topk_prob and mixtral.layer_window(2) == 32
