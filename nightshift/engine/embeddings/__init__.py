@@ -2,7 +2,8 @@
 
 engine.py (the entry point) with config.py (every default) and types.py; model_files.py (where
 the model is and what its sentence-transformers files say), tokenization.py, weights.py and
-bert.py (the padding-free encoder) with varlen.py (the batch layout and attention);
+bert.py (the padding-free encoder) with varlen.py (the batch layout and attention), or
+decoder.py (decoder embedding models, e.g. Qwen3-Embedding, on engine/models/' decoders);
 batching.py (length-sorted steps under a token budget); pooling.py.
 """
 from nightshift.engine.embeddings.config import EmbeddingEngineConfig

