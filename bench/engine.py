@@ -31,6 +31,7 @@ import platform
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -465,6 +466,9 @@ def hf_results(args, dtype_name: str, dummy_config, tokenizer, prompts, output_l
     dtype = getattr(torch, dtype_name)
     if args.dummy_weights:  # the same random weights (same shape, seed and names) in transformers
         hf = hf_model_from_checkpoint(DummyCheckpoint(dummy_config, seed=args.seed, device=device), dtype, device)
+    elif (Path(args.model) / "config.json").exists():   # a Hugging Face folder: transformers' own class of it
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     else:
         hf = hf_model_from_cache(args.model, dtype).to(device)
     pad_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
