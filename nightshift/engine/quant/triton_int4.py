@@ -49,6 +49,26 @@ def _nibbles(packed):
 
 
 @triton.jit
+def _load_group(qw_ptr, s_ptr, m_ptr, rn, n_mask, k0, stride_qn, stride_sn,
+                BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """The K step at channel k0 of rows rn: (low nibbles, high nibbles) ``[rows, BLOCK_K / 2]`` and
+    the step's scale and min per row (BLOCK_K divides GROUP: one group), all float32."""
+    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(qw_ptr + rn[:, None] * stride_qn + j[None, :], mask=n_mask[:, None], other=0)
+    g = k0 // GROUP
+    scale = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+    minimum = tl.load(m_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+    low, high = _nibbles(packed)
+    return low, high, scale, minimum
+
+
+@triton.jit
+def _dequantized(low, high, scale, minimum):
+    """``q * scale + min`` of both nibbles, interleaved back to channel order ``[rows, BLOCK_K]``."""
+    return tl.interleave(low * scale[:, None] + minimum[:, None], high * scale[:, None] + minimum[:, None])
+
+
+@triton.jit
 def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, N, K, stride_qn, stride_sn, stride_ys,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                       SPLIT_K: tl.constexpr):
@@ -59,14 +79,11 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, N, K, stride_qn, strid
     n_mask = rn < N
     acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        low, high, scale, minimum = _load_group(qw_ptr, s_ptr, m_ptr, rn, n_mask, k0, stride_qn, stride_sn,
+                                                BLOCK_K, GROUP)
         j = k0 // 2 + rj
-        packed = tl.load(qw_ptr + rn[:, None] * stride_qn + j[None, :], mask=n_mask[:, None], other=0)
-        g = k0 // GROUP
-        scale = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-        minimum = tl.load(m_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
         x_even = tl.load(x_ptr + 2 * j).to(tl.float32)
         x_odd = tl.load(x_ptr + 2 * j + 1).to(tl.float32)
-        low, high = _nibbles(packed)
         # sum_k (q s + m) x = s * sum_k q x + m * sum_k x, per row of the group
         acc += (low * x_even[None, :] + high * x_odd[None, :]) * scale[:, None]
         acc += minimum[:, None] * (x_even + x_odd)[None, :]
@@ -85,20 +102,13 @@ def _int4_tiled_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, M, N, K,
     pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rj = tl.arange(0, BLOCK_K // 2)
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        j = k0 // 2 + rj
-        packed = tl.load(qw_ptr + rn[:, None] * stride_qn + j[None, :], mask=n_mask[:, None], other=0)
-        g = k0 // GROUP
-        scale = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-        minimum = tl.load(m_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-        low, high = _nibbles(packed)
-        low = low * scale[:, None] + minimum[:, None]              # [BLOCK_N, BLOCK_K / 2]
-        high = high * scale[:, None] + minimum[:, None]
-        w = tl.interleave(low, high)                                # [BLOCK_N, BLOCK_K], channel order
+        low, high, scale, minimum = _load_group(qw_ptr, s_ptr, m_ptr, rn, n_mask, k0, stride_qn, stride_sn,
+                                                BLOCK_K, GROUP)
+        w = _dequantized(low, high, scale, minimum)                 # [BLOCK_N, BLOCK_K], channel order
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_mask[:, None], other=0.0)
         if DOT_FLOAT32:
@@ -116,14 +126,10 @@ def _int4_dequantize_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, stride_qn, stride
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = pid_k * BLOCK_K
-    j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     n_mask = rn < N
-    packed = tl.load(qw_ptr + rn[:, None] * stride_qn + j[None, :], mask=n_mask[:, None], other=0)
-    g = k0 // GROUP
-    scale = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-    minimum = tl.load(m_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-    low, high = _nibbles(packed)
-    w = tl.interleave(low * scale[:, None] + minimum[:, None], high * scale[:, None] + minimum[:, None])
+    low, high, scale, minimum = _load_group(qw_ptr, s_ptr, m_ptr, rn, n_mask, k0, stride_qn, stride_sn,
+                                            BLOCK_K, GROUP)
+    w = _dequantized(low, high, scale, minimum)
     rk = k0 + tl.arange(0, BLOCK_K)
     tl.store(w_ptr + rn[:, None] * stride_wn + rk[None, :], w.to(w_ptr.dtype.element_ty), mask=n_mask[:, None])
 
