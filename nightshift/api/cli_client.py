@@ -132,12 +132,7 @@ class BatchClient:
         return self._call("GET", f"/messages/batches/{batch_id}").json()
 
     def message_batch_results(self, batch_id: str) -> Iterator[bytes]:
-        try:
-            with self.http.stream("GET", f"/messages/batches/{batch_id}/results") as response:
-                self._check(response)
-                yield from response.iter_bytes()
-        except httpx.TransportError as exc:
-            raise CLIError(f"cannot reach {self.http.base_url}: {exc}") from None
+        return self._stream(f"/messages/batches/{batch_id}/results")
 
     def retry(self, batch_id: str, error_codes: Optional[list[str]] = None) -> dict:
         body = {"error_codes": error_codes} if error_codes else {}
@@ -147,8 +142,12 @@ class BatchClient:
         return self._call("GET", f"/batches/{batch_id}").json()
 
     def file_content(self, file_id: str) -> Iterator[bytes]:
+        return self._stream(f"/files/{file_id}/content")
+
+    def _stream(self, path: str) -> Iterator[bytes]:
+        """A GET's body as it arrives."""
         try:
-            with self.http.stream("GET", f"/files/{file_id}/content") as response:
+            with self.http.stream("GET", path) as response:
                 self._check(response)
                 yield from response.iter_bytes()
         except httpx.TransportError as exc:

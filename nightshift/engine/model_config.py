@@ -144,8 +144,6 @@ class ModelConfig:
         missing = [key for key in required if key not in cfg]
         if missing:
             raise ValueError(f"config.json is missing {', '.join(missing)}")
-        heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
         rope_scaling = cfg.get("rope_scaling")
         max_positions = cfg.get("max_position_embeddings", 2048)
         # Sliding-window attention is not implemented: cap the context at the window, where
@@ -162,21 +160,13 @@ class ModelConfig:
                 rope_scaling = rope_parameters
         return cls(
             architecture=model_type,
-            hidden_size=cfg["hidden_size"],
             num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            **_hf_shape_fields(cfg),
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             rope_scaling=rope_scaling,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             name=name,
         )
 
@@ -274,7 +264,7 @@ def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) 
     missing = [key for key in required if key not in cfg]
     if missing:
         raise ValueError(f"config.json is missing {', '.join(missing)}")
-    layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
+    layers = cfg["num_hidden_layers"]
     gemma = model_type.startswith("gemma")
 
     activation = cfg.get("hidden_activation") or cfg.get("hidden_act") or _ACTIVATION[model_type]
@@ -335,24 +325,15 @@ def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) 
         local_theta = 10000.0          # transformers' default rope_local_base_freq
 
     moe = _moe_fields(cfg, model_type, layers)
-    eos = cfg.get("eos_token_id")
     return cls(
         architecture=model_type,
-        hidden_size=cfg["hidden_size"],
         num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        intermediate_size=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        **_hf_shape_fields(cfg),
         rope_theta=rope_theta,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         rope_scaling=rope_scaling,
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         name=name,
         qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
         sliding_window=window or None,
@@ -364,6 +345,18 @@ def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) 
         partial_rotary_factor=float(partial),
         **moe,
     )
+
+
+def _hf_shape_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields every config.json gives alike: widths, heads, norm eps, special tokens."""
+    heads = cfg["num_attention_heads"]
+    eos = cfg.get("eos_token_id")
+    return {"hidden_size": cfg["hidden_size"], "num_heads": heads,
+            "num_kv_heads": cfg.get("num_key_value_heads") or heads,
+            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            "intermediate_size": cfg["intermediate_size"], "vocab_size": cfg["vocab_size"],
+            "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6), "bos_token_id": cfg.get("bos_token_id"),
+            "eos_token_ids": [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))}
 
 
 def _moe_fields(cfg: dict[str, Any], model_type: str, layers: int) -> dict[str, Any]:

@@ -57,6 +57,14 @@ class Service:
             raise RuntimeError(f"{exc}\n{self.log('api')}") from None
         return f"{base}/v1"
 
+    def start_serve(self, port: int) -> str:
+        """`nightshift serve` (API, workers and beat in one process tree, the embedded default); its
+        /v1 base URL once it answers."""
+        server = self.start("serve", [sys.executable, "-m", "nightshift.api.cli", "serve", "--port", str(port),
+                                      "--log-level", "warning"])
+        wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)
+        return f"http://127.0.0.1:{port}/v1"
+
     def start_worker(self, queue: str, beat: bool = False) -> subprocess.Popen:
         name = f"worker-{queue}"
         self.procs[name] = procs.start_worker(self.env, queue, f"{queue}-{uuid.uuid4().hex[:6]}",

@@ -16,8 +16,8 @@ import anthropic
 import httpx
 import pytest
 
-from .api_fixtures import (Service, api_service, free_port, make_key, production_pipeline, service_env,  # noqa: F401
-                           wait_http)
+from .api_fixtures import (Service, api_service, free_port, make_key, production_pipeline,  # noqa: F401
+                           service_env)
 
 
 REDIS_DB = 7   # apart from the other service tests' Redis databases
@@ -203,10 +203,7 @@ def test_embedded_default_runs_message_batches(tmp_path):
     port = free_port()
     service = Service(service_env(home, port=port), tmp_path)
     try:
-        server = service.start("serve", [sys.executable, "-m", "nightshift.api.cli", "serve", "--port", str(port),
-                                         "--log-level", "warning"])
-        wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)
-        client = client_for(f"http://127.0.0.1:{port}", (home / "api_key").read_text().strip(), timeout=60)
+        client = client_for(service.start_serve(port), (home / "api_key").read_text().strip(), timeout=60)
         batch = client.messages.batches.create(requests=requests_of(3) + [
             {"custom_id": "bad-temperature", "params": {**PARAMS, "temperature": 1.5}}])
         batch = wait_ended(client, batch.id, service)

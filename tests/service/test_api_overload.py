@@ -85,10 +85,7 @@ def test_embedded_serve_survives_polling_burst(tmp_path):
     port = free_port()
     service = Service(service_env(home, port=port), tmp_path)
     try:
-        server = service.start("serve", [sys.executable, "-m", "nightshift.api.cli", "serve", "--port", str(port),
-                                         "--log-level", "warning"])
-        wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)
-        base_url, key = f"http://127.0.0.1:{port}/v1", (home / "api_key").read_text().strip()
+        base_url, key = service.start_serve(port), (home / "api_key").read_text().strip()
         _check_burst_and_recovery(base_url, key, _new_batch(base_url, key), queue_seconds=2.0)
     finally:
         service.stop()

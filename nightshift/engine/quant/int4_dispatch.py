@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -45,26 +46,15 @@ _flush: dict[torch.device, torch.Tensor] = {}
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 
 
-class KernelWeight:
-    """An INT4 weight on the GPU and the forms of it a kernel needs besides ours: the packed
-    ``qweight``, ``scales`` and ``mins`` of engine/quant/format.py, and tinygemm's form, built on
-    demand."""
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int):
-        self.qweight, self.scales, self.mins, self.group_size = qweight, scales, mins, group_size
-        self._tinygemm: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+@dataclass(eq=False)
+class KernelWeight(Int4Weight):
+    """An INT4 weight on the GPU (engine/quant/format.py's packed ``qweight``, ``scales`` and
+    ``mins``) and tinygemm's form of it, built on demand."""
+    _tinygemm: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
 
     @classmethod
     def of(cls, weight: Int4Weight) -> "KernelWeight":
         return cls(weight.qweight, weight.scales, weight.mins, weight.group_size)
-
-    @property
-    def out_features(self) -> int:
-        return self.qweight.shape[0]
-
-    @property
-    def in_features(self) -> int:
-        return self.qweight.shape[1] * 2
 
     def tinygemm_form(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(packed weight, scales and zeros) for ``_weight_int4pack_mm``: its nibble order puts the
@@ -73,8 +63,7 @@ class KernelWeight:
             swapped = ((self.qweight & 0xF) << 4) | (self.qweight >> 4)
             tiles = next(t for t in (8, 4, 2) if self.in_features % (16 * t) == 0)
             packed = torch.ops.aten._convert_weight_to_int4pack(swapped.contiguous(), tiles)
-            weight = Int4Weight(self.qweight, self.scales, self.mins, self.group_size)
-            self._tinygemm = (packed, tinygemm_scales_and_zeros(weight, torch.bfloat16))
+            self._tinygemm = (packed, tinygemm_scales_and_zeros(self, torch.bfloat16))
         return self._tinygemm
 
     def drop_tinygemm_form(self) -> None:
