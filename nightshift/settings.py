@@ -167,6 +167,10 @@ class Settings(BaseSettings):
     # made a valid key of bootstrap_project at start-up (never in a printed Settings)
     bootstrap_key: Optional[str] = Field(default=None, repr=False)
     bootstrap_project: str = "default"
+    # The web console (/console): how long a login lasts (a revoked key ends it sooner), and how
+    # often an open page asks for its batches' progress (one small request per page).
+    console_session_seconds: float = Field(default=12 * 3600, gt=0)
+    console_poll_seconds: float = Field(default=3.0, ge=0.5)
 
     # --- cost accounting and schedules -----------------------------------------------
     # Instance price per hour per device kind ("cpu", "cuda", or an exact device name such as

@@ -5,7 +5,7 @@ work passed to ``Caller.run`` opens and closes its own session in one thread (ap
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Callable, Optional, TypeVar
+from typing import Annotated, Callable, Optional, Protocol, TypeVar
 
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session
@@ -43,6 +43,18 @@ DatabaseDep = Annotated[RequestDatabase, Depends(_database)]
 
 def _masked(key: str) -> str:
     return key[:6] + "*" * 4 + key[-4:] if len(key) > 12 else "*" * len(key)
+
+
+class ProjectCaller(Protocol):
+    """Whoever a request acts for, scoped to one project: the bearer of an API key (``Caller``)
+    or a console session (api/console/sessions.py). ``run(work)`` calls ``work(session,
+    project_id)`` in one database session, which commits when it returns."""
+
+    database: RequestDatabase
+
+    async def run(self, work: Callable[[Session, str], T], *, read_only: bool = False) -> T: ...
+
+    async def read(self, work: Callable[[Session, str], T]) -> T: ...
 
 
 @dataclass(frozen=True)

@@ -112,19 +112,43 @@ def queue_depths() -> dict[str, int]:
     return depths
 
 
-def metrics_body(state: dict, depths: dict[str, int]) -> bytes:
-    """Every process's samples (from the multiprocess directory, else this process's) and the
-    state gauges, in the Prometheus text format."""
-    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest, multiprocess
+def _samples_registry():  # noqa: ANN202 - a prometheus_client registry
+    """Every process's samples (the multiprocess directory), else this process's."""
+    from prometheus_client import REGISTRY, CollectorRegistry, multiprocess
 
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
-    else:
-        registry = REGISTRY
+        return registry
+    return REGISTRY
+
+
+def metrics_body(state: dict, depths: dict[str, int]) -> bytes:
+    """Every process's samples (from the multiprocess directory, else this process's) and the
+    state gauges, in the Prometheus text format."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
     gauges = CollectorRegistry()
     gauges.register(ServiceState(state, depths))
-    return generate_latest(registry) + generate_latest(gauges)
+    return generate_latest(_samples_registry()) + generate_latest(gauges)
+
+
+ENGINE_TOTALS = {("nightshift_tokens_total", "completion"): "completion_tokens",
+                 ("nightshift_tokens_total", "prompt"): "prompt_tokens",
+                 ("nightshift_requests_processed_total", None): "requests"}
+
+
+def engine_totals() -> dict[str, float]:
+    """The engine workers' counters as /metrics serves them, summed over processes and labels:
+    completion and prompt tokens and requests answered so far (a rate is two readings apart)."""
+    totals = dict.fromkeys(ENGINE_TOTALS.values(), 0.0)
+    for family in _samples_registry().collect():
+        for sample in family.samples:
+            name = ENGINE_TOTALS.get((sample.name, sample.labels.get("kind"))) or \
+                ENGINE_TOTALS.get((sample.name, None))
+            if name is not None:
+                totals[name] += sample.value
+    return totals
 
 
 def metrics_response(body: bytes) -> Response:

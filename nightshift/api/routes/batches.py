@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Query
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from nightshift.api.deps import CallerDep, SettingsDep, StoreDep
+from nightshift.api.deps import CallerDep, ProjectCaller, SettingsDep, StoreDep
 from nightshift.api.schemas.batches import BatchCreate, BatchObject, BatchRetry
 from nightshift.api.schemas.common import ListPage
 from nightshift.jobs.batches import retry as batch_retry
@@ -20,6 +20,8 @@ from nightshift.jobs.batches.ingest import message_batch_file_bytes
 from nightshift.jobs.batches.models import Batch
 from nightshift.jobs.batches.progress import BatchProgress, batch_progress
 from nightshift.jobs.files import uploads
+from nightshift.settings import Settings
+from nightshift.storage.objectstore import ObjectStore
 from nightshift.workers.dispatch import enqueue_cancel, enqueue_ingest
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
@@ -74,8 +76,9 @@ async def retrieve_batch(batch_id: str, caller: CallerDep) -> BatchObject:
                              _one(session, batch_service.get_batch(session, project_id, batch_id)))
 
 
-@router.post("/{batch_id}/cancel", response_model=BatchObject)
-async def cancel_batch(batch_id: str, caller: CallerDep) -> BatchObject:
+async def cancel(caller: ProjectCaller, batch_id: str) -> BatchObject:
+    """Ask for the batch's cancellation and, once that is committed, wake the cpu worker that
+    drains it (the API's and the console's cancel)."""
     batch = await caller.run(lambda session, project_id:
                              _one(session, batch_service.cancel_batch(session, project_id, batch_id)))
     if batch.status == "cancelling":
@@ -83,14 +86,12 @@ async def cancel_batch(batch_id: str, caller: CallerDep) -> BatchObject:
     return batch
 
 
-@router.post("/{batch_id}/retry", response_model=BatchObject)
-async def retry_batch(batch_id: str, caller: CallerDep, store: StoreDep, settings: SettingsDep,
-                      body: Optional[BatchRetry] = Body(None)) -> BatchObject:
-    """A new batch of the ended batch's failed lines (those with the given error codes, if
-    any), linked both ways in metadata (``retry_of`` / ``retried_by``)."""
-    body = body or BatchRetry()
+async def retry(caller: ProjectCaller, store: ObjectStore, settings: Settings, batch_id: str,
+                error_codes: Optional[list[str]] = None, metadata: Optional[dict[str, str]] = None) -> BatchObject:
+    """A new batch of the ended batch's failed lines (those with the given error codes, if any),
+    linked both ways in metadata (``retry_of`` / ``retried_by``); the API's and the console's retry."""
     source = await caller.read(lambda session, project_id:
-                               batch_retry.failed_lines(session, project_id, batch_id, body.error_codes))
+                               batch_retry.failed_lines(session, project_id, batch_id, error_codes))
     limits = ({"max_bytes": message_batch_file_bytes(settings), "max_lines": settings.max_message_batch_requests}
               if source.endpoint == MESSAGES else {})     # a message batch keeps Anthropic's limits
     upload = await run_in_threadpool(uploads.store_upload, store, settings, filename=f"{batch_id}_retry.jsonl",
@@ -99,9 +100,23 @@ async def retry_batch(batch_id: str, caller: CallerDep, store: StoreDep, setting
         batch = await caller.run(lambda session, project:
                                  _one(session, batch_retry.create_retry_batch(session, settings, project_id=project,
                                                                               source=source, upload=upload,
-                                                                              metadata=body.metadata)))
+                                                                              metadata=metadata)))
     except BaseException:
         await run_in_threadpool(store.delete, upload.object_key)
         raise
     await run_in_threadpool(_wake, enqueue_ingest, batch.id)  # after the commit
     return batch
+
+
+@router.post("/{batch_id}/cancel", response_model=BatchObject)
+async def cancel_batch(batch_id: str, caller: CallerDep) -> BatchObject:
+    return await cancel(caller, batch_id)
+
+
+@router.post("/{batch_id}/retry", response_model=BatchObject)
+async def retry_batch(batch_id: str, caller: CallerDep, store: StoreDep, settings: SettingsDep,
+                      body: Optional[BatchRetry] = Body(None)) -> BatchObject:
+    """A new batch of the ended batch's failed lines (those with the given error codes, if
+    any), linked both ways in metadata (``retry_of`` / ``retried_by``)."""
+    body = body or BatchRetry()
+    return await retry(caller, store, settings, batch_id, body.error_codes, body.metadata)

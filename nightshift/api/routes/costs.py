@@ -10,12 +10,14 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from nightshift.api.deps import CallerDep, SettingsDep, StoreDep
+from nightshift.api.deps import CallerDep, ProjectCaller, SettingsDep, StoreDep
 from nightshift.jobs.batches.service import get_batch
 from nightshift.jobs.costs.batch_costs import live_cost_report, read_cost_report, stored_cost_report_key
 from nightshift.jobs.costs.daily_costs import costs_by_day
 from nightshift.jobs.costs.html_page import render_cost_page
 from nightshift.jobs.errors import InvalidInput
+from nightshift.settings import Settings
+from nightshift.storage.objectstore import ObjectStore
 
 router = APIRouter(tags=["costs"])
 DEFAULT_DAYS = 30
@@ -25,6 +27,15 @@ DEFAULT_DAYS = 30
 async def batch_cost(batch_id: str, caller: CallerDep, store: StoreDep, settings: SettingsDep,
                      format: Literal["json", "html"] = "json") -> JSONResponse | HTMLResponse:
     """cost.json of a finished batch (a live report while it runs); ?format=html for the page."""
+    report = await cost_report(caller, store, settings, batch_id)
+    if format == "html":
+        return HTMLResponse(render_cost_page(report))
+    return JSONResponse(report)
+
+
+async def cost_report(caller: ProjectCaller, store: ObjectStore, settings: Settings, batch_id: str) -> dict:
+    """The batch's cost report: its stored cost.json once it has ended, else a live one from its
+    request rows (the API's and the console's)."""
     def live_report(session: Session, project_id: str) -> dict:
         return live_cost_report(session, get_batch(session, project_id, batch_id), settings, now=time.time())
 
@@ -34,9 +45,7 @@ async def batch_cost(batch_id: str, caller: CallerDep, store: StoreDep, settings
     report = await run_in_threadpool(read_cost_report, store, key) if key else None
     if report is None:
         report = await caller.read(live_report)
-    if format == "html":
-        return HTMLResponse(render_cost_page(report))
-    return JSONResponse(report)
+    return report
 
 
 def _instant(value: Optional[str], param: str) -> Optional[float]:

@@ -9,13 +9,14 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from nightshift.api.deps import CallerDep, SettingsDep, StoreDep
+from nightshift.api.deps import CallerDep, ProjectCaller, SettingsDep, StoreDep
 from nightshift.api.errors import APIError
 from nightshift.api.schemas.common import ListPage
 from nightshift.api.schemas.files import FileDeleted, FileObject
 from nightshift.jobs.files import service as file_service
 from nightshift.jobs.files import uploads
 from nightshift.jobs.files.models import File
+from nightshift.storage.objectstore import ObjectStore
 
 router = APIRouter(prefix="/v1/files", tags=["files"])
 
@@ -79,6 +80,11 @@ async def delete_file(file_id: str, caller: CallerDep, store: StoreDep) -> FileD
 
 @router.get("/{file_id}/content")
 async def file_content(file_id: str, caller: CallerDep, store: StoreDep) -> StreamingResponse:
+    return await file_download(caller, store, file_id)
+
+
+async def file_download(caller: ProjectCaller, store: ObjectStore, file_id: str) -> StreamingResponse:
+    """The file's content as an attachment (the API's and the console's download)."""
     # The row is read and the session closed before the first byte: a slow reader holds no connection.
     row = await caller.read(lambda session, project_id: file_service.get_file(session, project_id, file_id))
     chunks = await run_in_threadpool(file_service.file_content, store, row)

@@ -4,7 +4,7 @@ themselves are in ``nightshift.jobs.batches.lifecycle``."""
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
@@ -66,10 +66,22 @@ def get_batch(session: Session, project_id: str, batch_id: str) -> Batch:
     return batch
 
 
-def list_batches(session: Session, project_id: str, *, after: Optional[str] = None,
-                 limit: int = 20) -> tuple[list[Batch], bool]:
-    """Newest first; ``after`` is the id of the last batch of the previous page."""
+def list_batches(session: Session, project_id: str, *, after: Optional[str] = None, limit: int = 20,
+                 statuses: Optional[Sequence[str]] = None, created_from: Optional[float] = None,
+                 created_before: Optional[float] = None) -> tuple[list[Batch], bool]:
+    """Newest first; ``after`` is the id of the last batch of the previous page. Optionally only
+    the batches in ``statuses`` and those created in [``created_from``, ``created_before``)."""
     query = select(Batch).where(Batch.project_id == project_id)
+    if statuses is not None:
+        unknown = sorted(set(statuses) - set(BatchStatus.ALL))
+        if unknown:
+            raise InvalidInput(f"Invalid status '{unknown[0]}'. Supported values are: "
+                               + ", ".join(f"'{s}'" for s in BatchStatus.ALL) + ".", "status", "invalid_value")
+        query = query.where(Batch.status.in_(list(statuses)))
+    if created_from is not None:
+        query = query.where(Batch.created_at >= created_from)
+    if created_before is not None:
+        query = query.where(Batch.created_at < created_before)
     if after:
         cursor = session.get(Batch, after)
         if cursor is None or cursor.project_id != project_id:
@@ -77,6 +89,23 @@ def list_batches(session: Session, project_id: str, *, after: Optional[str] = No
         query = query.where(tuple_(Batch.created_at, Batch.id) < tuple_(cursor.created_at, cursor.id))
     rows = list(session.scalars(query.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
+
+
+MAX_BATCHES_AT_ONCE = 100
+
+
+def get_batches(session: Session, project_id: str, batch_ids: Sequence[str]) -> list[Batch]:
+    """Several of the project's batches at once, in the order asked (a live page's poll); NotFound
+    names the first id that is not one of the project's batches."""
+    if len(batch_ids) > MAX_BATCHES_AT_ONCE:
+        raise InvalidInput(f"At most {MAX_BATCHES_AT_ONCE} batch ids at once (got {len(batch_ids)}).", "ids",
+                           "invalid_value")
+    found = {b.id: b for b in session.scalars(select(Batch).where(Batch.id.in_(list(set(batch_ids))),
+                                                                  Batch.project_id == project_id))}
+    for batch_id in batch_ids:
+        if batch_id not in found:
+            raise NotFound("batch", batch_id, "ids")
+    return [found[batch_id] for batch_id in batch_ids]
 
 
 def cancel_batch(session: Session, project_id: str, batch_id: str) -> Batch:

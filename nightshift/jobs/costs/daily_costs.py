@@ -76,3 +76,18 @@ def costs_by_day(session: Session, project_id: str, *, start: float, end: float,
         totals[key] = math.fsum(d[key] for d in data)
     return {"object": "list", "project_id": project_id, "from": start, "to": end,
             "currency": "USD", "data": data, "total": totals}
+
+
+def every_day(report: dict) -> list[dict]:
+    """``costs_by_day``'s days with the days of its window that had no answered request put in at
+    zero, oldest first (a chart's continuous axis)."""
+    have = {d["date"]: d for d in report["data"]}
+    first, last = int(report["from"] // DAY), int(math.ceil(report["to"] / DAY)) - 1
+    days = []
+    for day in range(first, last + 1):
+        date = datetime.fromtimestamp(day * DAY, timezone.utc).date().isoformat()
+        days.append(have.get(date) or {
+            "date": date, "project_id": report["project_id"], "batches": 0, "requests": 0, "prompt_tokens": 0,
+            "cached_prompt_tokens": 0, "completion_tokens": 0, "engine_seconds": 0.0, "cost_usd": 0.0,
+            "online_list_usd": 0.0, "savings_vs_online_list_usd": 0.0})
+    return days

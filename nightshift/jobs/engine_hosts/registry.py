@@ -72,3 +72,25 @@ def served_names(s: Session, kind: str, now: float, stale_seconds: float) -> Opt
     (a cold start: the caller falls back to its own settings)."""
     hosts = live_hosts(s, kind, now, stale_seconds)
     return None if not hosts else {name for host in hosts for name in host.names}
+
+
+@dataclass(frozen=True)
+class SeenHost:
+    worker: str
+    kind: str
+    model: str
+    state: str
+    error: Optional[str]
+    started_at: float
+    heartbeat_at: float
+    alive: bool                  # heart-beat within the stale limit
+
+
+def hosts_seen(s: Session, now: float, stale_seconds: float, since_seconds: float) -> list[SeenHost]:
+    """Every engine worker row that heart-beat within ``since_seconds`` (alive or lately gone),
+    the live ones first."""
+    rows = s.execute(select(EngineHost).where(EngineHost.heartbeat_at >= now - since_seconds)
+                     .order_by(EngineHost.heartbeat_at.desc(), EngineHost.worker, EngineHost.kind)).scalars()
+    hosts = [SeenHost(r.worker, r.kind, r.model, r.state, r.error, r.started_at, r.heartbeat_at,
+                      r.heartbeat_at >= now - stale_seconds) for r in rows]
+    return sorted(hosts, key=lambda h: not h.alive)

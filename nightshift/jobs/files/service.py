@@ -77,3 +77,12 @@ def upsert_result_file(session: Session, *, file_id: str, project_id: str, filen
                                created_at=now, expires_at=expires_at)
     session.execute(stmt.on_conflict_do_update(index_elements=["id"], set_={
         "bytes": size, "object_key": object_key, "line_count": lines, "deleted_at": None, "expires_at": expires_at}))
+
+
+def files_by_id(session: Session, project_id: str, file_ids: list[str]) -> dict[str, File]:
+    """The project's files among ``file_ids`` that still exist (deleted or unknown ones left out)."""
+    if not file_ids:
+        return {}
+    rows = session.scalars(select(File).where(File.id.in_(file_ids), File.project_id == project_id,
+                                              File.deleted_at.is_(None)))
+    return {row.id: row for row in rows}

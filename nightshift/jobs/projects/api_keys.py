@@ -86,6 +86,11 @@ def project_for_key(session: Session, key: str) -> Optional[str]:
     return session.scalar(_PROJECT_OF_KEY, {"key_hash": hash_key(key)})
 
 
+def key_for_secret(session: Session, key: str) -> Optional[ApiKey]:
+    """The row of a valid key (not revoked), or None."""
+    return session.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None)))
+
+
 @dataclass(frozen=True)
 class KeyInfo:
     """What may be shown of a key: never its secret."""
