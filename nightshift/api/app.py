@@ -14,6 +14,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from nightshift.api.anthropic import routes as anthropic_routes
 from nightshift.api.anthropic.errors import anthropic_response
+from nightshift.api.console import STATIC as CONSOLE_STATIC
+from nightshift.api.console import console_router
 from nightshift.api.database import RequestDatabase
 from nightshift.api.deps import DatabaseDep
 from nightshift.api.errors import error_response, install_error_handlers, refuse_unstorable_input
@@ -106,6 +108,8 @@ def create_app() -> FastAPI:
     app.include_router(costs.router)
     app.include_router(schedules.router)
     app.include_router(webhooks.router)
+    app.mount("/console/static", CONSOLE_STATIC, name="console-static")   # before the console's catch-all page
+    app.include_router(console_router())
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics(database: DatabaseDep) -> Response:
