@@ -35,7 +35,7 @@ def live_view(batch: Batch, progress: BatchProgress, cost_usd: float) -> dict[st
             "tokens_done": p["tokens_done"], "input_tokens": progress.input_tokens,
             "cached_tokens": progress.cached_tokens, "output_tokens": progress.output_tokens,
             "eta_seconds": p["eta_seconds"], "notice": p["notice"], "cost_usd": cost_usd,
-            "text": {"requests": f"{number(p['requests_done'])} / {number(progress.total)}",
+            "text": {"model": batch.model or "-", "requests": f"{number(p['requests_done'])} / {number(progress.total)}",
                      "tokens": number(p["tokens_done"]), "eta": eta, "cost": money(cost_usd),
                      "percent": f"{p['fraction']:.0%}", "completed": number(progress.completed),
                      "failed": number(progress.failed), "input_tokens": number(progress.input_tokens),

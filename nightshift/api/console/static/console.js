@@ -16,9 +16,11 @@
       if (el.tagName === "PROGRESS") {
         el.value = value;
         el.textContent = Math.round(value * 100) + "%";
+      } else if (el.hasAttribute("data-status")) {   // a status badge: in_progress reads "in progress"
+        el.setAttribute("data-status", value);
+        el.textContent = String(value).replace(/_/g, " ");
       } else {
         el.textContent = value == null ? "" : String(value);
-        if (el.hasAttribute("data-status")) el.setAttribute("data-status", value);
       }
     });
   }
