@@ -32,14 +32,15 @@ def test_each_path_multiplies_as_f_linear_does_within_its_rounding(math):
     torch.testing.assert_close(layer.weight, weight, atol=TOLERANCE[math] * weight.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("in_features", [576, 1536])
 @pytest.mark.parametrize("math", supported_maths())
-def test_a_rows_result_does_not_depend_on_the_other_rows_of_the_step(math):
+def test_a_rows_result_does_not_depend_on_the_other_rows_of_the_step(math, in_features):
     """A request's answer must not depend on the batch around it: every path's row results are
     bit-identical whatever rows share the call, where the path says so (all but bf16 on AMX, where
     they differ only by bf16 rounding)."""
     generator = torch.Generator().manual_seed(1)
-    layer = DenseLinear(torch.randn(320, 576, generator=generator), None, math=math)
-    x = torch.randn(300, 576, generator=generator)
+    layer = DenseLinear(torch.randn(320, in_features, generator=generator), None, math=math)
+    x = torch.randn(300, in_features, generator=generator)
     full = layer(x)
     parts = [(x[:rows], full[:rows]) for rows in (1, 2, 3, 16, 17, 64, 255)] + [(x[31:71], full[31:71])]
     if cpu_math.row_independent(math):

@@ -55,6 +55,12 @@ def pack(weight: torch.Tensor) -> Optional[torch.Tensor]:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`x @ W.T (+ bias)` for a weight from `pack` (oneDNN) or a plain one (`F.linear`)."""
     if weight.is_mkldnn:
+        if x.dim() == 2 and x.shape[0] == 1:
+            # oneDNN runs a one-row call through another kernel, which sums a long row (K=1536 here)
+            # in another order: the row's last bits would differ from the same row in a larger call,
+            # and a lone request's answer from the batched one's. One row goes as two (the cost of a
+            # one-row call is reading the weight either way).
+            return torch.ops.mkldnn._linear_pointwise(x.repeat(2, 1), weight, bias, "none", [], "")[:1]
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
