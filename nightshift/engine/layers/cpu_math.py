@@ -130,8 +130,14 @@ class Bf16Weight(MathWeight):
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous())
 
     def linear(self, x, bias=None):
-        out = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.weight, None, "none", [], "").float()
+        out = self.linear_bf16(x.to(torch.bfloat16)).float()
         return out if bias is None else out.add_(bias)
+
+    def linear_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T`` bfloat16 in and out, no casts (float32 accumulation inside): the fused
+        decoder layer's form (models/fused_cpu_layer.py), which keeps activations bfloat16
+        between its kernels."""
+        return cpu_gemm.linear(x, self.weight)
 
     def dense(self):
         return self.weight.to_dense().float()

@@ -23,6 +23,7 @@ from nightshift.engine.attention.base import AttentionBackend, StepMetadata
 from nightshift.engine.kv_cache import KVCache
 from nightshift.engine.layers import cpu_math
 from nightshift.engine.layers.linear import DenseLinear, DenseLinearFactory, LinearFactory, WeightSource
+from nightshift.engine.models import fused_cpu_layer
 from nightshift.engine.model_config import ModelConfig, rope_scaling_type
 
 # builds the projection `name` from the checkpoint parts stacked along its output dim
@@ -250,6 +251,9 @@ class LlamaForCausalLM(nn.Module):
         # their own base: Gemma 3) or "global"
         self.layer_rope = ["local" if "local" in self.rotary and config.is_sliding(i) else "global"
                            for i in range(config.num_layers)]
+        # the same layers as fused C kernels where the CPU's bf16 math and the layer shape allow
+        # (models/fused_cpu_layer.py); None: the torch layers always
+        self.fused_layers = fused_cpu_layer.build(self)
 
     def rotary_embeddings(self, config: ModelConfig, checkpoint) -> nn.ModuleDict:
         """The RoPE tables by name: "global", and "local" where sliding layers have their own base."""
@@ -269,7 +273,10 @@ class LlamaForCausalLM(nn.Module):
         `logits_rows` (indices into T), or for every row when None."""
         x = self.embed(input_ids)
         rope = {name: table(positions, self.dtype) for name, table in self.rotary.items()}
-        for layer, kv_cache, which in zip(self.layers, kv_caches, self.layer_rope):
+        layers = self.layers
+        if self.fused_layers is not None and attention.name == fused_cpu_layer.BACKEND:
+            layers = self.fused_layers
+        for layer, kv_cache, which in zip(layers, kv_caches, self.layer_rope):
             x = layer(x, *rope[which], kv_cache, attention, meta)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)

@@ -1,0 +1,184 @@
+"""The small ops of a decoder layer on the CPU's bf16 math, fused into C kernels.
+
+With the bf16 CPU math (engine/layers/cpu_math.py) every linear layer takes bfloat16 activations
+and gives bfloat16 results; in plain torch each of them is cast on the way in and back to float32
+on the way out, and the norms, RoPE, the K/V store and SiLU-and-mul each run as several tensor
+ops. On the standard 256-row decode step that was ~40 ms of casts and ~30 ms of small ops in a
+~365 ms step (torch.profiler, AVX-512 Zen 4). These kernels do each of those in one pass, reading
+the linears' bfloat16 results and writing the next linear's bfloat16 inputs, with every sum and
+product in float32 as the torch path computes them (values rounded to bfloat16 at the same
+places: a linear's input and output):
+
+* ``add_rms_norm``: the residual stream ``x`` (float32) += a sublayer's bfloat16 result, then
+  ``weight * x / rms(x)`` rounded to bfloat16 (the next linear's input);
+* ``rope_store``: the q/k/v projection's bfloat16 result (+ its float32 bias) -> q and k rotated
+  (RoPE, partial rotary included), k and v written into the paged K/V pool at the rows' slots;
+  q (and, for prefill rows, k and v) out as float32 for attention;
+* ``silu_mul``: ``silu(gate) * up`` of the gate/up projection's result, rounded to bfloat16.
+
+Built on first use with the system C compiler through kernels/c_library.py, like the attention
+kernel; ``load()`` is None where that fails, and the model keeps its torch ops
+(models/fused_cpu_layer.py decides). Rows run in parallel (OpenMP); each row's result depends on
+that row alone.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
+/* round to nearest even, NaN to the quiet NaN: as torch's float -> bfloat16 */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* x [T, H] float32 (updated in place when delta != 0: x += delta), delta [T, H] bf16 or NULL,
+   w [H] float32 -> out [T, H] bf16 = w * x * rsqrt(mean(x^2) + eps) */
+void add_rms_norm(float *x, const uint16_t *delta, const float *w, uint16_t *out, int64_t T, int64_t H,
+                  float eps) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *xt = x + t * H;
+        if (delta) {
+            const uint16_t *dt = delta + t * H;
+            #pragma omp simd
+            for (int64_t i = 0; i < H; i++) xt[i] += bf16_to_f32(dt[i]);
+        }
+        float ss = 0.f;
+        #pragma omp simd reduction(+:ss)
+        for (int64_t i = 0; i < H; i++) ss += xt[i] * xt[i];
+        const float inv = 1.f / sqrtf(ss / (float)H + eps);
+        uint16_t *ot = out + t * H;
+        #pragma omp simd
+        for (int64_t i = 0; i < H; i++) ot[i] = f32_to_bf16(w[i] * (xt[i] * inv));
+    }
+}
+
+/* gate_up [T, 2I] bf16 (gate first) -> out [T, I] bf16 = silu(gate) * up */
+void silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
+        uint16_t *o = out + t * I;
+        #pragma omp simd
+        for (int64_t i = 0; i < I; i++) {
+            const float a = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(a / (1.f + expf(-a)) * bf16_to_f32(u[i]));
+        }
+    }
+}
+
+/* qkv [T, (H + 2 KVH) * D] bf16 (+ bias [(H + 2 KVH) * D] float32 or NULL); cos, sin [T, R]
+   (R rotary dims, the first R of each head; cos/sin repeat their halves). q and k heads rotated
+   (x * cos + rotate_half(x) * sin); q -> q_out [T, H, D]; k, v -> the pool at slots[t]
+   (k_cache, v_cache [slots, KVH, D]) and, where k_out is not NULL, k_out/v_out [T, KVH, D]. */
+void rope_store(const uint16_t *qkv, const float *bias, const float *cos_t, const float *sin_t,
+                const int64_t *slots, float *k_cache, float *v_cache, float *q_out, float *k_out,
+                float *v_out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R) {
+    const int64_t width = (H + 2 * KVH) * D, half = R / 2;
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float row[width];
+        const uint16_t *src = qkv + t * width;
+        for (int64_t i = 0; i < width; i++) row[i] = bf16_to_f32(src[i]) + (bias ? bias[i] : 0.f);
+        const float *c = cos_t + t * R, *s = sin_t + t * R;
+        for (int64_t head = 0; head < H + KVH; head++) {
+            float *x = row + head * D, rot[R];
+            for (int64_t i = 0; i < half; i++) {
+                rot[i] = x[i] * c[i] - x[i + half] * s[i];
+                rot[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+            }
+            memcpy(x, rot, sizeof(float) * R);
+        }
+        memcpy(q_out + t * H * D, row, sizeof(float) * H * D);
+        const int64_t kv = KVH * D;
+        memcpy(k_cache + slots[t] * kv, row + H * D, sizeof(float) * kv);
+        memcpy(v_cache + slots[t] * kv, row + (H + KVH) * D, sizeof(float) * kv);
+        if (k_out) {
+            memcpy(k_out + t * kv, row + H * D, sizeof(float) * kv);
+            memcpy(v_out + t * kv, row + (H + KVH) * D, sizeof(float) * kv);
+        }
+    }
+}
+"""
+FLAGS = [*OPTIMIZE, "-ffast-math"]
+
+_lib: Optional[ctypes.CDLL] = None
+_loaded = False
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The kernels' library, built on first use; None where it cannot be built."""
+    global _lib, _loaded
+    if not _loaded:
+        lib = load_library("cpu_fused_ops", SOURCE, FLAGS)
+        if lib is not None:
+            lib.add_rms_norm.argtypes = [_P] * 4 + [_I, _I, ctypes.c_float]
+            lib.silu_mul.argtypes = [_P, _P, _I, _I]
+            lib.rope_store.argtypes = [_P] * 10 + [_I] * 5
+            for fn in (lib.add_rms_norm, lib.silu_mul, lib.rope_store):
+                fn.restype = None
+        _lib, _loaded = lib, True
+    return _lib
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x` `[T, H]` float32 += `delta` (bfloat16, or None: x unchanged), in place; returns
+    ``weight * rms_norm(x)`` as bfloat16 `[T, H]`."""
+    assert x.dtype == torch.float32 and x.is_contiguous() and weight.dtype == torch.float32
+    assert delta is None or (delta.dtype == torch.bfloat16 and delta.is_contiguous() and delta.shape == x.shape)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    load().add_rms_norm(x.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`gate_up` `[T, 2I]` bfloat16 (gate, then up) -> ``silu(gate) * up`` `[T, I]` bfloat16."""
+    assert gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
+    load().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
+
+
+def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+               slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+               with_kv: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """`qkv` `[T, (H + 2 KVH) * D]` bfloat16 (+ `bias`) -> q `[T, H, D]` float32, rotated; k
+    (rotated) and v written into the pools `[blocks, block_size, KVH, D]` at `slots` `[T]`
+    (int64), and returned `[T, KVH, D]` float32 when `with_kv` (else None). `cos`/`sin`: the
+    rows' RoPE tables `[T, ..., R]` float32, R <= D rotary dims."""
+    kv_heads, dim = k_cache.shape[-2:]
+    rows = qkv.shape[0]
+    rotary = cos.shape[-1]
+    assert qkv.dtype == torch.bfloat16 and qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * kv_heads) * dim
+    assert k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert slots.dtype == torch.int64 and cos.dtype == sin.dtype == torch.float32 and rotary % 2 == 0
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    cos, sin, slots = cos.reshape(rows, rotary).contiguous(), sin.reshape(rows, rotary).contiguous(), slots.contiguous()
+    q = torch.empty(rows, num_heads, dim)
+    k = torch.empty(rows, kv_heads, dim) if with_kv else None
+    v = torch.empty(rows, kv_heads, dim) if with_kv else None
+    load().rope_store(qkv.data_ptr(), _ptr(bias), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                      k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), _ptr(k), _ptr(v),
+                      rows, num_heads, kv_heads, dim, rotary)
+    return q, k, v

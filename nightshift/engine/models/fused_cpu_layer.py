@@ -1,0 +1,96 @@
+"""A Llama-shaped decoder layer on the CPU's bf16 math as a few fused C kernels.
+
+The torch layer (llama.DecoderLayer) with the bf16 CPU math casts every linear's input to
+bfloat16 and its result back to float32, and runs its norms, RoPE, K/V store and SiLU-and-mul as
+several tensor ops each. This form of the same layer keeps the linears' results bfloat16 and hands
+them straight to the kernels of engine/kernels/cpu_fused_ops.py, which compute in float32 and round
+to bfloat16 only where the torch path does (a linear's input and output), so both give the same
+answers up to float32 summation order; per layer:
+
+    h = add_rms_norm(x)                         the residual stream x stays float32
+    q, k, v = rope_store(qkv_proj(h))           k, v written into the K/V pool
+    a = attention(q)                            the backend's (the C paged kernel for decode rows)
+    h = add_rms_norm(x += o_proj(a))
+    x += down_proj(silu_mul(gate_up_proj(h)))
+
+It runs where every piece fits (``build``): a float32 model on CPU whose projections hold bf16
+weights (engine/layers/cpu_math.py chose or was told bf16), the plain Llama layer (RMSNorm, SiLU,
+no q/k norms, no sliding window or soft-capping; a q/k/v bias is fine, as Qwen2 has), the C
+kernels built, and, per step, the CPU kernel attention backend (whose K/V store this replaces).
+Anything else keeps the torch layer. ``NIGHTSHIFT_CPU_FUSED_OPS=0`` turns it off.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from nightshift.engine.kernels import cpu_fused_ops
+from nightshift.engine.layers.cpu_math import Bf16Weight
+from nightshift.engine.layers.linear import DenseLinear
+
+ENV = "NIGHTSHIFT_CPU_FUSED_OPS"
+BACKEND = "cpu-kernel"      # the attention backend whose K/V store rope_store does (slot_mapping rows)
+
+
+def _bf16_weight(module, bias_allowed: bool) -> Optional[Bf16Weight]:
+    if type(module) is not DenseLinear or not isinstance(module.packed, Bf16Weight):
+        return None
+    if module.bias is not None and not bias_allowed:
+        return None
+    return module.packed
+
+
+class FusedCpuLayer:
+    """One decoder layer's weights, run through the fused kernels (``__call__`` is the layer's
+    forward: the residual stream `x` is updated in place and returned)."""
+
+    def __init__(self, layer, qkv: Bf16Weight, o: Bf16Weight, gate_up: Bf16Weight, down: Bf16Weight):
+        attn = layer.self_attn
+        self.input_norm = layer.input_layernorm.weight.detach().contiguous()
+        self.post_norm = layer.post_attention_layernorm.weight.detach().contiguous()
+        self.eps = layer.input_layernorm.eps
+        self.post_eps = layer.post_attention_layernorm.eps
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        bias = attn.qkv_proj.bias
+        self.qkv_bias = None if bias is None else bias.detach().float().contiguous()
+        self.num_heads, self.q_size, self.scale = attn.num_heads, attn.q_size, attn.scale
+
+    def __call__(self, x, cos, sin, kv_cache, attention, meta) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        h = cpu_fused_ops.add_rms_norm(x, None, self.input_norm, self.eps)
+        q, k, v = cpu_fused_ops.rope_store(self.qkv.linear_bf16(h), self.qkv_bias, cos, sin, meta.slot_mapping,
+                                           k_cache, v_cache, self.num_heads, with_kv=bool(meta.prefills))
+        out = attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        h = cpu_fused_ops.add_rms_norm(x, self.o.linear_bf16(out.reshape(-1, self.q_size).to(torch.bfloat16)),
+                                       self.post_norm, self.post_eps)
+        return x.add_(self.down.linear_bf16(cpu_fused_ops.silu_mul(self.gate_up.linear_bf16(h))))
+
+
+def _fused(layer) -> Optional[FusedCpuLayer]:
+    from nightshift.engine.models.llama import MLP, Attention, DecoderLayer, RMSNorm
+    if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
+        return None
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
+        return None
+    if mlp.activation is not F.silu or attn.q_norm is not None or attn.window is not None or attn.softcap is not None:
+        return None
+    weights = (_bf16_weight(attn.qkv_proj, True), _bf16_weight(attn.o_proj, False),
+               _bf16_weight(mlp.gate_up_proj, False), _bf16_weight(mlp.down_proj, False))
+    if any(w is None for w in weights):
+        return None
+    return FusedCpuLayer(layer, *weights)
+
+
+def build(model) -> Optional[list[FusedCpuLayer]]:
+    """Every layer of `model` in fused form, or None where one does not fit (or the kernels do
+    not build, or NIGHTSHIFT_CPU_FUSED_OPS=0): the model then runs its torch layers."""
+    if os.environ.get(ENV, "1") == "0" or model.dtype != torch.float32 or model.embed_tokens.device.type != "cpu":
+        return None
+    layers = [_fused(layer) for layer in model.layers]
+    if not layers or any(layer is None for layer in layers) or cpu_fused_ops.load() is None:
+        return None
+    return layers

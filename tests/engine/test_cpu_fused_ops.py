@@ -1,0 +1,76 @@
+"""The fused C kernels of the bf16 CPU layer (engine/kernels/cpu_fused_ops.py) against the torch
+ops they replace (llama.py's RMSNorm, apply_rope, index_copy_kv, SiLU-and-mul), computed in
+float32 and rounded to bfloat16 at the same places."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nightshift.engine.attention.torch_paged import index_copy_kv
+from nightshift.engine.kernels import cpu_fused_ops
+from nightshift.engine.models.llama import apply_rope, rope_table
+
+pytestmark = pytest.mark.skipif(cpu_fused_ops.load() is None, reason="no C compiler: the model keeps its torch layers")
+
+
+def within_one_bf16_step(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """bfloat16 results equal but where float32 summation order moved a value across a rounding
+    boundary: one bfloat16 step (2^-7 relative) at most."""
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    a, e = actual.float(), expected.float()
+    return bool(((a - e).abs() <= e.abs() * 2 ** -7 + 1e-6).all()) and (a == e).float().mean().item() > 0.95
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_adds_the_residual_in_place_and_normalises_to_bf16(with_delta):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 576, generator=g) * 3
+    delta = (torch.randn(37, 576, generator=g)).to(torch.bfloat16) if with_delta else None
+    weight = torch.rand(576, generator=g) + 0.5
+    expected_x = x + delta.float() if with_delta else x.clone()
+    expected = (weight * F.rms_norm(expected_x, (576,), eps=1e-5)).to(torch.bfloat16)
+    out = cpu_fused_ops.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(x, expected_x)               # the residual stream, exactly
+    assert within_one_bf16_step(out, expected)
+
+
+def test_silu_mul_of_the_gate_and_up_halves():
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(19, 2 * 1536, generator=g) * 4).to(torch.bfloat16)
+    gate, up = gate_up.float().split(1536, dim=-1)
+    expected = (F.silu(gate) * up).to(torch.bfloat16)
+    assert within_one_bf16_step(cpu_fused_ops.silu_mul(gate_up), expected)
+
+
+@pytest.mark.parametrize("rotary, with_bias, with_kv", [(64, False, False), (64, True, True), (32, False, True)])
+def test_rope_store_rotates_q_and_k_and_writes_k_v_into_the_pool(rotary, with_bias, with_kv):
+    """Full and partial rotary (Phi-3's), a q/k/v bias (Qwen2's), the rows' slots scattered."""
+    g = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, tokens, block_size = 9, 3, 64, 11, 16
+    width = (heads + 2 * kv_heads) * dim
+    qkv = torch.randn(tokens, width, generator=g).to(torch.bfloat16)
+    bias = torch.randn(width, generator=g) if with_bias else None
+    positions = torch.randint(0, 500, (tokens,), generator=g)
+    cos, sin = rope_table(positions, 1.0 / (10000 ** (torch.arange(0, rotary, 2).float() / rotary)))
+    slots = torch.randperm(8 * block_size, generator=g)[:tokens]
+    k_cache, v_cache = torch.zeros(8, block_size, kv_heads, dim), torch.zeros(8, block_size, kv_heads, dim)
+
+    full = qkv.float() + (bias if with_bias else 0)
+    qk = apply_rope(full[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos.unsqueeze(1),
+                    sin.unsqueeze(1))
+    q_ref, k_ref = qk.split([heads, kv_heads], dim=1)
+    v_ref = full[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    k_expected, v_expected = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    index_copy_kv(k_expected, v_expected, k_ref, v_ref, slots)
+
+    q, k, v = cpu_fused_ops.rope_store(qkv, bias, cos.unsqueeze(1), sin.unsqueeze(1), slots, k_cache, v_cache,
+                                       heads, with_kv)
+    torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(k_cache, k_expected, rtol=1e-6, atol=1e-5)
+    assert torch.equal(v_cache, v_expected)
+    if with_kv:
+        torch.testing.assert_close(k, k_ref, rtol=1e-6, atol=1e-5)
+        assert torch.equal(v, v_ref)
+    else:
+        assert k is None and v is None

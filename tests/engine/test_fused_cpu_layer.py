@@ -1,0 +1,100 @@
+"""The bf16 CPU layer as fused kernels (engine/models/fused_cpu_layer.py) on the real default model:
+the same answers as the torch layers on the same bf16 math (up to float32 summation order), a row's
+logits independent of the rows beside it, and the torch layers wherever a piece does not fit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nightshift.engine.kernels import cpu_fused_ops
+from nightshift.engine.layers import cpu_math
+from nightshift.engine.model_runner import ModelRunner
+from nightshift.engine.models import fused_cpu_layer
+from nightshift.engine.step import StepItem
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(cpu_fused_ops.load() is None, reason="no C compiler: the torch layers run")]
+
+
+@pytest.fixture(scope="module")
+def bf16_model(default_model_path):
+    from nightshift.engine.loader import load_model
+    return load_model(default_model_path, dtype=torch.float32, cpu_math="bf16")
+
+
+def schedule(runner: ModelRunner, fused_layers, prompts, forced):
+    """Logits of every step: the prompts prefilled in two chunks beside decoding rows, then
+    teacher-forced decode steps (the same tokens whichever layers run)."""
+    model = runner.model
+    saved, model.fused_layers = model.fused_layers, fused_layers
+    try:
+        tables = [list(range(8 * i, 8 * i + 8)) for i in range(len(prompts))]
+        half = len(prompts[0]) // 2
+        steps = [runner.execute([StepItem(prompts[0][:half], 0, tables[0])]),
+                 runner.execute([StepItem(prompts[0][half:], half, tables[0])] +
+                                [StepItem(p, 0, t) for p, t in zip(prompts[1:], tables[1:])])]
+        for step in range(len(forced[0])):
+            steps.append(runner.execute([StepItem([f[step]], len(p) + step, t)
+                                         for f, p, t in zip(forced, prompts, tables)]))
+        return torch.cat(steps)
+    finally:
+        model.fused_layers = saved
+
+
+def kl(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    return torch.nn.functional.kl_div(logits.log_softmax(-1), reference.log_softmax(-1), log_target=True,
+                                      reduction="batchmean").item()
+
+
+def test_fused_layers_follow_float32_as_closely_as_the_torch_layers(bf16_model, fp32_model):
+    """Both bf16 forms against the float32 model on the same schedule: the fused layers drift
+    from it no more than the torch layers on the same bf16 math do (they round at the same places)."""
+    assert bf16_model.fused_layers is not None and len(bf16_model.fused_layers) == bf16_model.config.num_layers
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (40, 23, 71, 9)]
+    forced = [torch.randint(100, 40000, (12,), generator=g).tolist() for _ in prompts]
+    runner = ModelRunner(bf16_model, num_kv_blocks=40, block_size=16)
+    assert runner.attention.name == fused_cpu_layer.BACKEND
+    fused = schedule(runner, bf16_model.fused_layers, prompts, forced)
+    torch_layers = schedule(runner, None, prompts, forced)
+    reference = schedule(ModelRunner(fp32_model, num_kv_blocks=40, block_size=16), None, prompts, forced)
+    assert kl(fused, reference) <= 1.25 * kl(torch_layers, reference), (kl(fused, reference), kl(torch_layers, reference))
+    top1 = {name: (x.argmax(-1) == reference.argmax(-1)).float().mean().item()
+            for name, x in (("fused", fused), ("torch", torch_layers))}
+    assert top1["fused"] >= top1["torch"] - 0.05, top1
+
+
+def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(bf16_model):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (30, 55, 12)]
+    runner = ModelRunner(bf16_model, num_kv_blocks=40, block_size=16)
+    tables = [list(range(8 * i, 8 * i + 8)) for i in range(3)]
+    runner.execute([StepItem(p, 0, t) for p, t in zip(prompts, tables)])
+    together = runner.execute([StepItem([7], len(p), t) for p, t in zip(prompts, tables)])
+    alone = runner.execute([StepItem([7], len(prompts[1]), tables[1])])
+    if cpu_math.row_independent("bf16"):
+        assert torch.equal(alone[0], together[1])
+    else:    # oneDNN's bf16 kernels on AMX block by the row count (cpu_math's docstring)
+        torch.testing.assert_close(alone[0], together[1], rtol=0, atol=0.5)
+
+
+def test_the_torch_layers_run_where_a_piece_does_not_fit(bf16_model, fp32_model, monkeypatch):
+    assert fp32_model.fused_layers is None                           # float32 math: the torch layers
+    assert fused_cpu_layer.build(bf16_model) is not None
+    monkeypatch.setenv(fused_cpu_layer.ENV, "0")
+    assert fused_cpu_layer.build(bf16_model) is None
+    monkeypatch.delenv(fused_cpu_layer.ENV)
+    layer = bf16_model.layers[0]
+    monkeypatch.setattr(layer.self_attn, "window", 64)               # a sliding-window layer
+    assert fused_cpu_layer.build(bf16_model) is None
+    monkeypatch.undo()
+    # another attention backend (the torch path): the torch layers, whatever the model holds
+    runner = ModelRunner(bf16_model, num_kv_blocks=8, block_size=16, cpu_kernel=False)
+    assert runner.attention.name != fused_cpu_layer.BACKEND
+    item = [StepItem([5, 6, 7, 8], 0, [0, 1])]
+    with_fused = runner.execute(item)
+    saved, bf16_model.fused_layers = bf16_model.fused_layers, None
+    try:
+        assert torch.equal(runner.execute(item), with_fused)
+    finally:
+        bf16_model.fused_layers = saved
