@@ -24,9 +24,13 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(out).float()
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16)])
-def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size):
-    if cpu_paged_attention.load(heads // kv_heads, dim) is None:
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16),
+                                                             (6, 2, 48, 8)])
+def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size, portable):
+    """Both builds: the native one (AVX-512 loops where the CPU has them and the head dim is a
+    multiple of 16) and the plain C loops every other CPU runs."""
+    if cpu_paged_attention.load(heads // kv_heads, dim, portable) is None:
         pytest.skip("no C compiler here: the runner uses the torch path")
     rng = random.Random(heads)
     num_blocks = 96
@@ -45,10 +49,15 @@ def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size):
         tables[i, :blocks] = torch.tensor(own)
     q = torch.randn(len(lens), heads, dim) * 3   # sharp softmaxes too
     lengths = torch.tensor(lens, dtype=torch.int32)
-    out = cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lengths, dim ** -0.5)
+    out = cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lengths, dim ** -0.5, portable)
     expected = reference(q, k_cache, v_cache, tables, lengths, dim ** -0.5)
     assert out.shape == q.shape
     assert (out - expected).abs().max().item() < 1e-4
+    # a row's result is the same bits whatever rows share the call (a lone request = a batched one)
+    for i in (0, 3, 5):
+        alone = cpu_paged_attention.paged_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1].contiguous(),
+                                                    lengths[i:i + 1], dim ** -0.5, portable)
+        assert torch.equal(alone[0], out[i])
 
 
 def test_supports_only_float32_and_its_buffers():

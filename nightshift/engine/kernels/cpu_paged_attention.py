@@ -31,65 +31,142 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* GQ (query heads per KV head) and HD (head dim) are compile-time constants (-D), so the
    loops over them unroll and one (row, KV head)'s accumulators stay in registers. */
 
+#if defined(__AVX512F__) && HD % 16 == 0 && !defined(PORTABLE)
+#define VEC 1
+#define NV (HD / 16)
+/* v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes (a transposing reduction:
+   45 shuffles and adds for 16 sums instead of 16 separate horizontal sums) */
+static inline __m512 sum16(__m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int k = 0; k < 8; k++)
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
+        x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int k = 0; k < 2; k++)
+        y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
+}
+#endif
+
 /* q, out [n, KVH * GQ, HD]; k_cache, v_cache [blocks, bs, KVH, HD]; tables [n, tw] (block ids
-   of each row's sequence); lens [n]: row i attends to positions 0 .. lens[i]-1. Work item =
-   (row, KV head): all scores first (K read once), one exp pass over them, then V (read once). */
+   of each row's sequence); lens [n]: row i attends to positions 0 .. lens[i]-1. Work item = one
+   row, all its heads: the scores of every head first, block by block (each block's K read once,
+   front to back: every KV head's slice of a position is one contiguous run), one exp pass per
+   head, then V the same way. A row's result depends on that row alone (the same arithmetic
+   whatever rows share the call). */
 void paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
                          const int32_t *tables, int64_t tw, const int32_t *lens, float *out,
                          int64_t n, int64_t KVH, int64_t bs, float scale) {
     const int64_t H = KVH * GQ, row = KVH * HD;
     int64_t max_len = 1;
     for (int64_t i = 0; i < n; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
+    const int64_t stride = (max_len + 31) & ~(int64_t)15;    /* one head's scores, whole vectors */
     #pragma omp parallel
     {
-        float *scores = (float *)malloc(sizeof(float) * GQ * max_len);
-        #pragma omp for schedule(dynamic, 4)
-        for (int64_t w = 0; w < n * KVH; w++) {
-            const int64_t i = w / KVH, h = w % KVH;
-            float qs[GQ][HD], acc[GQ][HD], m[GQ], l[GQ];
-            const int64_t L = lens[i];
+        float *scores = (float *)malloc(sizeof(float) * H * stride);
+        float *qs = (float *)malloc(sizeof(float) * H * HD), *acc = (float *)malloc(sizeof(float) * H * HD);
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t L = lens[i], nb = (L + bs - 1) / bs;
             const int32_t *tab = tables + i * tw;
-            const float *qi = q + (i * H + h * GQ) * HD;
-            for (int g = 0; g < GQ; g++) {
-                m[g] = -3.0e38f;
-                for (int d = 0; d < HD; d++) { qs[g][d] = qi[g * HD + d] * scale; acc[g][d] = 0.f; }
-            }
-            for (int64_t t = 0; t < L; t++) {
-                const float *kp = k_cache + ((int64_t)tab[t / bs] * bs + t % bs) * row + h * HD;
-                for (int g = 0; g < GQ; g++) {
-                    float dot = 0.f;
-                    #pragma omp simd reduction(+:dot)
-                    for (int d = 0; d < HD; d++) dot += qs[g][d] * kp[d];
-                    scores[g * L + t] = dot;
-                    m[g] = dot > m[g] ? dot : m[g];
+            for (int64_t d = 0; d < H * HD; d++) { qs[d] = q[i * H * HD + d] * scale; acc[d] = 0.f; }
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
+                for (int64_t h = 0; h < KVH; h++) {
+                    const float *kb = k_cache + (int64_t)tab[b] * bs * row + h * HD;
+#ifdef VEC
+                    for (int64_t j0 = 0; j0 < cnt; j0 += 16) {
+                        const int64_t c = cnt - j0 < 16 ? cnt - j0 : 16;
+                        for (int g = 0; g < GQ; g++) {
+                            const float *qg = qs + (h * GQ + g) * HD;
+                            __m512 part[16];
+                            for (int j = 0; j < 16; j++) {
+                                if (j < c) {
+                                    const float *kp = kb + (j0 + j) * row;
+                                    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kp));
+                                    for (int v = 1; v < NV; v++)
+                                        s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), _mm512_loadu_ps(kp + 16 * v), s);
+                                    part[j] = s;
+                                } else {
+                                    part[j] = _mm512_setzero_ps();
+                                }
+                            }
+                            _mm512_storeu_ps(scores + (h * GQ + g) * stride + t0 + j0, sum16(part));
+                        }
+                    }
+#else
+                    for (int64_t j = 0; j < cnt; j++) {
+                        const float *kp = kb + j * row;
+                        for (int g = 0; g < GQ; g++) {
+                            const float *qg = qs + (h * GQ + g) * HD;
+                            float dot = 0.f;
+                            #pragma omp simd reduction(+:dot)
+                            for (int d = 0; d < HD; d++) dot += qg[d] * kp[d];
+                            scores[(h * GQ + g) * stride + t0 + j] = dot;
+                        }
+                    }
+#endif
                 }
             }
-            for (int g = 0; g < GQ; g++) {
-                float *sg = scores + g * L, total = 0.f;
-                const float mg = m[g];
+            float l[H];
+            for (int64_t hg = 0; hg < H; hg++) {
+                float *sg = scores + hg * stride, total = 0.f, mg = -3.0e38f;
+                for (int64_t t = 0; t < L; t++) mg = sg[t] > mg ? sg[t] : mg;
+                const int64_t padded = (L + 15) & ~(int64_t)15;      /* whole vectors: no scalar tail */
+                for (int64_t t = L; t < padded; t++) sg[t] = -INFINITY;
                 #pragma omp simd reduction(+:total)
-                for (int64_t t = 0; t < L; t++) { sg[t] = expf(sg[t] - mg); total += sg[t]; }
-                l[g] = total;
+                for (int64_t t = 0; t < padded; t++) { sg[t] = expf(sg[t] - mg); total += sg[t]; }
+                l[hg] = total;
             }
-            for (int64_t t = 0; t < L; t++) {
-                const float *vp = v_cache + ((int64_t)tab[t / bs] * bs + t % bs) * row + h * HD;
-                for (int g = 0; g < GQ; g++) {
-                    const float p = scores[g * L + t];
-                    #pragma omp simd
-                    for (int d = 0; d < HD; d++) acc[g][d] += p * vp[d];
+            for (int64_t b = 0; b < nb; b++) {
+                const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
+                for (int64_t h = 0; h < KVH; h++) {
+                    const float *vb = v_cache + (int64_t)tab[b] * bs * row + h * HD;
+#ifdef VEC
+                    __m512 av[GQ][NV];
+                    for (int g = 0; g < GQ; g++)
+                        for (int v = 0; v < NV; v++) av[g][v] = _mm512_loadu_ps(acc + (h * GQ + g) * HD + 16 * v);
+                    for (int64_t j = 0; j < cnt; j++) {
+                        const float *vp = vb + j * row;
+                        __m512 vv[NV];
+                        for (int v = 0; v < NV; v++) vv[v] = _mm512_loadu_ps(vp + 16 * v);
+                        for (int g = 0; g < GQ; g++) {
+                            const __m512 p = _mm512_set1_ps(scores[(h * GQ + g) * stride + t0 + j]);
+                            for (int v = 0; v < NV; v++) av[g][v] = _mm512_fmadd_ps(p, vv[v], av[g][v]);
+                        }
+                    }
+                    for (int g = 0; g < GQ; g++)
+                        for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + (h * GQ + g) * HD + 16 * v, av[g][v]);
+#else
+                    for (int64_t j = 0; j < cnt; j++) {
+                        const float *vp = vb + j * row;
+                        for (int g = 0; g < GQ; g++) {
+                            float *ag = acc + (h * GQ + g) * HD;
+                            const float p = scores[(h * GQ + g) * stride + t0 + j];
+                            #pragma omp simd
+                            for (int d = 0; d < HD; d++) ag[d] += p * vp[d];
+                        }
+                    }
+#endif
                 }
             }
-            for (int g = 0; g < GQ; g++) {
-                const float inv = 1.f / l[g];
-                float *o = out + (i * H + h * GQ + g) * HD;
-                for (int d = 0; d < HD; d++) o[d] = acc[g][d] * inv;
+            for (int64_t hg = 0; hg < H; hg++) {
+                const float inv = 1.f / l[hg];
+                float *o = out + (i * H + hg) * HD;
+                for (int d = 0; d < HD; d++) o[d] = acc[hg * HD + d] * inv;
             }
         }
-        free(scores);
+        free(scores); free(qs); free(acc);
     }
 }
 """
@@ -97,13 +174,14 @@ MAX_GROUP, MAX_HEAD_DIM = 16, 256      # qs/acc live on the stack: GQ * HD float
 FLAGS = [*OPTIMIZE, "-ffast-math"]
 
 _lock = threading.Lock()
-_libs: dict[tuple[int, int], Optional[ctypes.CDLL]] = {}
+_libs: dict[tuple[int, int, bool], Optional[ctypes.CDLL]] = {}
 
 
-def load(group: int = 3, head_dim: int = 64) -> Optional[ctypes.CDLL]:
+def load(group: int = 3, head_dim: int = 64, portable: bool = False) -> Optional[ctypes.CDLL]:
     """The kernel library for `group` query heads per KV head and `head_dim`, built on first
-    use; None if unavailable (no compiler, build failed) or disabled."""
-    shape = (group, head_dim)
+    use; None if unavailable (no compiler, build failed) or disabled. `portable`: the plain C
+    loops only (what a CPU without AVX-512 runs; the tests check both builds on AVX-512)."""
+    shape = (group, head_dim, portable)
     if shape in _libs:
         return _libs[shape]
     with _lock:
@@ -113,7 +191,7 @@ def load(group: int = 3, head_dim: int = 64) -> Optional[ctypes.CDLL]:
         if os.environ.get("NIGHTSHIFT_CPU_ATTENTION", "1") == "0":
             return None
         lib = load_library(f"paged_attention-g{group}-d{head_dim}", SOURCE,
-                           [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}"])
+                           [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}", *(["-DPORTABLE"] if portable else [])])
         if lib is not None:
             fn = lib.paged_attention_f32
             fn.restype = None
@@ -131,11 +209,11 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                    lens: torch.Tensor, scale: float) -> torch.Tensor:
+                    lens: torch.Tensor, scale: float, portable: bool = False) -> torch.Tensor:
     """q `[n, H, D]` float32 -> `[n, H, D]`; tables `[n, w]` int32 block ids, lens `[n]` int32."""
     n, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    lib = load(heads // kv_heads, dim)
+    lib = load(heads // kv_heads, dim, portable)
     q = q.contiguous()
     out = torch.empty_like(q)
     if n == 0:
