@@ -13,6 +13,14 @@ count, requests/s, p50/p95/p99/max latency, 503s (with Retry-After) and errors (
 else: timeouts, dropped connections, other statuses). Then the time from uploading a
 ``--big-file-lines`` file to its batch being ``in_progress``.
 
+``--consoles N``: instead, measures what N open web consoles (/console, each logged in as a
+browser does) cost the API: each console polls ``/console/api/progress`` for the running batch
+every ``--console-interval`` seconds (the page's own interval by default), as its script does,
+while the ``--clients`` poll the API as above. The API pollers run in windows without and with the
+consoles, alternated ``--console-rounds`` times (so a drift of the machine or the batch falls on
+both alike); prints each window's table and the p99 of ``GET /v1/batches/{id}`` without and with
+the consoles, side by side.
+
 ``--hammer N``: instead, one key hammers ``GET /v1/batches/{id}`` back to back over N
 connections while another key (another project) polls its own batch from ``--polite-clients``
 clients once a second each; prints the polite key's latencies and errors (target: p99 < 50 ms,
@@ -25,6 +33,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import os
+import re
 import resource
 import time
 from dataclasses import dataclass, field
@@ -34,6 +43,7 @@ import httpx
 import orjson
 
 from bench.services import running_service
+from nightshift.settings import Settings
 
 CHAT = "/v1/chat/completions"
 
@@ -372,9 +382,115 @@ def hammer_run(args: argparse.Namespace) -> Samples:
         return samples
 
 
-def run(args: argparse.Namespace) -> Samples:
+CONSOLE_POLL = "GET /console/api/progress"
+CONSOLE_INTERVAL = Settings.model_fields["console_poll_seconds"].default   # the page's own
+
+
+def console_logins(root: str, key: str, count: int) -> list[str]:
+    """``count`` console sessions of ``key``, each logged in as a browser does (the login form,
+    then the key posted with the form's token): their session cookies."""
+    tokens = []
+    for _ in range(count):
+        with httpx.Client(base_url=root, timeout=60) as browser:
+            form = browser.get("/console/login").raise_for_status()
+            login_token = re.search(r'name="login_token" value="([^"]+)"', form.text)[1]
+            answer = browser.post("/console/login", data={"api_key": key, "login_token": login_token})
+            if answer.status_code != 303:
+                raise RuntimeError(f"console login answered {answer.status_code}: {answer.text[:300]}")
+            tokens.append(answer.cookies["nightshift_console"])
+    return tokens
+
+
+async def _consoles(root: str, tokens: list[str], batch_ids: list[str], seconds: float, interval: float) -> Samples:
+    """One open console per token, each polling its batches' progress every ``interval`` seconds
+    (after its previous answer, as the page's script does; their first polls spread over one interval)."""
+    samples = Samples()
+    url = f"{root}/console/api/progress?ids={','.join(batch_ids)}"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30), cookie_jar=aiohttp.DummyCookieJar(),
+                                     connector=aiohttp.TCPConnector(limit=len(tokens))) as http:
+        async def console(i: int, token: str) -> None:
+            headers = {"Cookie": f"nightshift_console={token}", "Accept": "application/json"}
+            end = time.monotonic() + seconds
+            await asyncio.sleep(interval * i / len(tokens))
+            while time.monotonic() < end:
+                started = time.monotonic()
+                await _timed(samples, CONSOLE_POLL, lambda: http.get(url, headers=headers))
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+
+        await asyncio.gather(*(console(i, token) for i, token in enumerate(tokens)))
+    return samples
+
+
+def _consoles_process(args: tuple) -> Samples:
+    return asyncio.run(_consoles(*args))
+
+
+def consoles_run(args: argparse.Namespace) -> dict[str, Samples]:
+    """The API's pollers without and with ``--consoles`` open consoles (module docstring)."""
+    with running_service(args.shape) as service:
+        http = httpx.Client(base_url=service.base_url, headers={"Authorization": f"Bearer {service.api_key}"},
+                            timeout=600)
+        batch_id = _create_batch(http, request_lines(max(1, args.batch_requests), 128, ignore_eos=True),
+                                 "running.jsonl")
+        if args.batch_requests:
+            _wait_for_engine(http, batch_id)
+        else:
+            http.post(f"/batches/{batch_id}/cancel").raise_for_status()
+        root = service.base_url.removesuffix("/v1")
+        tokens = console_logins(root, service.api_key, args.consoles)
+        print(f"service: {args.shape} at {service.base_url}; batch {batch_id} ({args.batch_requests} requests) running; "
+              f"{args.clients} API clients poll every {args.interval}s; {args.consoles} consoles logged in, each "
+              f"polling every {args.console_interval}s; {args.console_rounds} rounds of {args.seconds:.0f}s without "
+              f"and {args.seconds:.0f}s with them", flush=True)
+        processes = max(1, min(args.processes, args.clients))
+        shares = [args.clients // processes + (i < args.clients % processes) for i in range(processes)]
+        windows = {"without": Samples(), "with": Samples()}
+        elapsed = dict.fromkeys(windows, 0.0)
+        buckets = {name: {} for name in windows}
+        cpu = {name: {} for name in windows}
+        for _ in range(args.console_rounds):
+            for name in windows:
+                buckets_before, cpu_before = server_buckets(service.base_url), cpu_by_role()
+                started = time.perf_counter()
+                with concurrent.futures.ProcessPoolExecutor(processes + 1) as pool:
+                    polls = [pool.submit(_poll_process, (service.base_url, service.api_key, batch_id, n, args.seconds,
+                                                         args.interval, i)) for i, n in enumerate(shares)]
+                    if name == "with":
+                        polls.append(pool.submit(_consoles_process, (root, tokens, [batch_id], args.seconds,
+                                                                     args.console_interval)))
+                    for poll in polls:
+                        windows[name].merge(poll.result())
+                elapsed[name] += time.perf_counter() - started
+                _add(buckets[name], buckets_before, server_buckets(service.base_url))
+                _add(cpu[name], cpu_before, cpu_by_role())
+        batch = http.get(f"/batches/{batch_id}").json()
+        p99 = {}
+        for name, samples in windows.items():
+            print(f"\n{name} consoles ({elapsed[name]:.0f}s):")
+            print(report(samples, elapsed[name]))
+            print(server_latency_line({}, buckets[name]))
+            print(cpu_line({}, cpu[name], elapsed[name]))
+            p99[name] = _ms(samples.latencies.get("GET /v1/batches/{id}", []), .99)
+        errors = sum(sum(b.values()) for w in windows.values() for b in w.errors.values())
+        print(f"\nbatch {batch['status']}, {batch['request_counts']['completed']}/{batch['request_counts']['total']} "
+              f"done at the end")
+        print(f"GET /v1/batches/{{id}} p99: {p99['without']:.1f} ms without consoles, {p99['with']:.1f} ms with "
+              f"{args.consoles} consoles polling every {args.console_interval}s; errors {errors}")
+        http.post(f"/batches/{batch_id}/cancel")
+        return windows
+
+
+def _add(total: dict, before: dict, after: dict) -> None:
+    """Add one window's growth of cumulative counts (histogram buckets, CPU seconds) to ``total``."""
+    for name, value in after.items():
+        total[name] = total.get(name, 0.0) + value - before.get(name, 0.0)
+
+
+def run(args: argparse.Namespace) -> Samples | dict[str, Samples]:
     if args.hammer:
         return hammer_run(args)
+    if args.consoles:
+        return consoles_run(args)
     with running_service(args.shape) as service:
         http = httpx.Client(base_url=service.base_url, headers={"Authorization": f"Bearer {service.api_key}"},
                             timeout=600)
@@ -454,6 +570,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hammer", type=int, default=0,
                         help="connections of one key requesting back to back, beside a polite key (0: off)")
     parser.add_argument("--polite-clients", type=int, default=10, help="--hammer: the polite key's clients")
+    parser.add_argument("--consoles", type=int, default=0,
+                        help="open web consoles polling their batch's progress, in windows beside ones without (0: off)")
+    parser.add_argument("--console-interval", type=float, default=CONSOLE_INTERVAL,
+                        help="--consoles: seconds between a console's polls (default: the page's own)")
+    parser.add_argument("--console-rounds", type=int, default=2,
+                        help="--consoles: windows without and with the consoles, alternated this many times")
     run(parser.parse_args(argv))
 
 

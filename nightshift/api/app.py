@@ -16,6 +16,7 @@ from nightshift.api.anthropic import routes as anthropic_routes
 from nightshift.api.anthropic.errors import anthropic_response
 from nightshift.api.console import STATIC as CONSOLE_STATIC
 from nightshift.api.console import console_router
+from nightshift.api.console.sessions import SESSION_COOKIE as CONSOLE_SESSION_COOKIE
 from nightshift.api.database import RequestDatabase
 from nightshift.api.deps import DatabaseDep
 from nightshift.api.errors import error_response, install_error_handlers, refuse_unstorable_input
@@ -100,7 +101,8 @@ def create_app() -> FastAPI:
     install_error_handlers(app)
     app.state.key_projects = KeyProjects()
     app.add_middleware(UploadGate)
-    app.add_middleware(RateLimits, settings=get_settings(), key_projects=app.state.key_projects)
+    app.add_middleware(RateLimits, settings=get_settings(), key_projects=app.state.key_projects,
+                       console_cookie=CONSOLE_SESSION_COOKIE)
     app.add_middleware(RequestMetrics)
     app.include_router(files.router)
     app.include_router(batches.router)

@@ -1,5 +1,9 @@
 """Per-key and per-project rate limits, and fair admission at the door, as one plain ASGI
-middleware in front of every /v1 route (health and metrics are not limited).
+middleware in front of every /v1 route (health and metrics are not limited). The console's
+requests (/console, api/console/) are held to the same limits and cap per console session (its
+cookie stands for the key; its project is not known here, so only the session's own bucket), and
+their database work queues as one: all open consoles together wait their turn for a database
+slot like one key, however many there are.
 
 Rate limits: a token bucket per API key (``rate_limit_key_rps``, ``rate_limit_key_burst``) and
 per project (``rate_limit_project_rps``, ``..._burst``; 0 turns a limit off). A request over a
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import orjson
+from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from nightshift.api.anthropic.errors import anthropic_body, is_anthropic_path
@@ -236,32 +241,53 @@ def _bearer(scope: Scope) -> Optional[str]:
     return api_key
 
 
+CONSOLE_PATH, CONSOLE_STATIC = "/console/", "/console/static/"
+CONSOLE_QUEUE = "console"          # the fair-slots key every console session's database work queues under
+
+
+def _cookie(scope: Scope, name: str) -> Optional[str]:
+    for header, value in scope["headers"]:
+        if header == b"cookie":
+            return cookie_parser(value.decode("latin-1")).get(name) or None
+    return None
+
+
 class RateLimits:
     """The middleware (module docstring). ``app.state.key_projects`` is the KeyProjects the key
-    lookup fills; the limiter is made on the first request (in the serving event loop)."""
+    lookup fills; the limiter is made on the first request (in the serving event loop).
+    ``console_cookie``: the console session cookie's name (api/console/sessions.py)."""
 
-    def __init__(self, app: ASGIApp, settings: Settings, key_projects: KeyProjects):
+    def __init__(self, app: ASGIApp, settings: Settings, key_projects: KeyProjects,
+                 console_cookie: Optional[str] = None):
         self.app = app
         self.settings = settings
         self.key_projects = key_projects
+        self.console_cookie = console_cookie
         self.limiter = None
         self.inflight: dict[str, int] = {}
         self.held: dict[str, int] = {}           # refused requests of each key being held (_hold)
         self.limits_on = settings.rate_limit_key_rps > 0 or settings.rate_limit_project_rps > 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        token = _bearer(scope)
-        if token is None:                      # the route answers 401
+        path = scope["path"]
+        console = (self.console_cookie is not None and path.startswith(CONSOLE_PATH)
+                   and not path.startswith(CONSOLE_STATIC))
+        if console:
+            session = _cookie(scope, self.console_cookie)
+            token = f"console:{session}" if session else None
+        else:
+            token = _bearer(scope) if path.startswith("/v1/") else None
+        if token is None:                      # not limited here (the route answers 401 / the login page)
             await self.app(scope, receive, send)
             return
         key = key_hash(token)
         decision = await self._check(key) if self.limits_on else None
         if decision is not None and not decision.allowed:
             await self._hold(key, decision)
-            await _answer(send, 429, _shaped(scope, _rate_limited_body(decision), 429), _limit_headers(decision) + [
+            await _answer(send, 429, _shaped(scope, _rate_limited_body(decision, console), 429), _limit_headers(decision) + [
                 (b"retry-after", str(max(1, math.ceil(decision.retry_after))).encode()),
                 (b"retry-after-ms", str(max(1, math.ceil(decision.retry_after * 1000))).encode())])
             return
@@ -292,7 +318,7 @@ class RateLimits:
                     message = {**message, "headers": list(message.get("headers", [])) + extra}
             await send(message)
 
-        whose = REQUEST_KEY.set(key)          # database slots are shared out by key (api/fair_slots.py)
+        whose = REQUEST_KEY.set(CONSOLE_QUEUE if console else key)   # slots shared out by key (api/fair_slots.py)
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
@@ -338,8 +364,9 @@ def _limit_headers(decision: Decision) -> list[tuple[bytes, bytes]]:
             (b"x-ratelimit-reset-requests", duration(decision.reset_seconds).encode())]
 
 
-def _rate_limited_body(decision: Decision) -> bytes:
-    which = "this project" if decision.limited_by and decision.limited_by.startswith("project:") else "this API key"
+def _rate_limited_body(decision: Decision, console: bool = False) -> bytes:
+    which = "this project" if decision.limited_by and decision.limited_by.startswith("project:") else \
+        "this console session" if console else "this API key"
     return orjson.dumps({"error": {
         "message": f"Rate limit reached for requests on {which}: limit {decision.limit} requests (refilled "
                    f"continuously). Please try again in {duration(decision.retry_after)}.",

@@ -2,6 +2,8 @@
 polls, uploads, times a larger upload to in_progress, and reports no errors."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from bench import api_load
@@ -43,3 +45,20 @@ def test_small_run_against_embedded_service(capsys):
     slow = samples.latencies["GET /v1/files/{id}/content (slow)"]
     assert len(slow) == 2 and "2 slow readers of a 0.5 MB file" in out      # each still reading at the end
     assert "200-line file" in out and "batch in_progress" in out
+
+
+@pytest.mark.slow
+def test_consoles_run_measures_the_api_without_and_with_open_consoles(capsys):
+    windows = api_load.run(api_load.argparse.Namespace(
+        shape="embedded", clients=4, seconds=1.5, interval=0.2, uploads=0, upload_lines=10, big_file_lines=0,
+        batch_requests=0, processes=1, hammer=0, polite_clients=0, slow_readers=0, reader_kbps=100,
+        reader_file_mb=0.5, consoles=3, console_interval=0.25, console_rounds=2))
+    out = capsys.readouterr().out
+    assert set(windows) == {"without", "with"}
+    assert all(w.errors == {} and w.overloaded == {} for w in windows.values())
+    assert api_load.CONSOLE_POLL not in windows["without"].latencies            # consoles only in their windows
+    polls = windows["with"].latencies[api_load.CONSOLE_POLL]
+    assert 3 * 2 * 3 <= len(polls) <= 3 * 2 * 7        # 3 consoles, 2 windows of 1.5 s, one poll each 0.25 s
+    assert len(windows["without"].latencies["GET /v1/batches/{id}"]) > 10
+    assert "3 consoles logged in" in out and "with 3 consoles polling every 0.25s; errors 0" in out
+    assert re.search(r"p99: [\d.]+ ms without consoles, [\d.]+ ms with 3 consoles", out)

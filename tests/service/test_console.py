@@ -328,3 +328,26 @@ def test_costs_and_health_pages(api_service):  # noqa: F811
     assert set(live["queues"]) == {"gpu", "cpu", "upkeep"} and "completion" in live["throughput"]
     assert browser.get("/console/nothing-here").status_code == 404
     assert httpx.get(f"{root(api_service)}/console/static/console.js").status_code == 200
+
+
+def test_a_console_session_is_rate_limited_like_a_key_apart_from_the_api_keys(pg_url, s3_server, tmp_path):
+    """Its own bucket (not its key's): a page hammering its poll gets 429 while the API key it
+    logged in with is still answered."""
+    from .api_fixtures import Service, free_port, new_bucket, s3_env, service_env
+
+    env = service_env(tmp_path, database_url=pg_url, rate_limit_key_rps=1, rate_limit_key_burst=3,
+                      rate_limit_hold_seconds=0, **s3_env(s3_server, new_bucket(s3_server)))
+    service = Service(env, tmp_path)
+    try:
+        service.base_url, service.db_url = service.start_api(free_port()), pg_url
+        key = new_key(service)
+        browser = logged_in(service, key)
+        answers = [browser.get("/console/api/progress", params={"ids": "batch_x"}) for _ in range(6)]
+        assert [a.status_code for a in answers[:3]] == [404] * 3                 # the burst: answered
+        limited = answers[-1]
+        assert limited.status_code == 429 and "this console session" in limited.json()["error"]["message"]
+        assert int(limited.headers["retry-after"]) >= 1
+        assert api(service, key).get("/batches").status_code == 200             # the key's own bucket is whole
+        assert httpx.get(f"{root(service)}/console/static/console.css").status_code == 200   # assets are not limited
+    finally:
+        service.stop()
