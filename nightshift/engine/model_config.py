@@ -1,5 +1,5 @@
 """ModelConfig: the shape of a decoder (Llama family, Qwen3, Gemma 2/3, Phi-3, and the mixture-of-
-experts decoders Mixtral, Qwen3-MoE, OLMoE), read from GGUF
+experts decoders Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE), read from GGUF
 metadata or HF config.json. A config field the engine cannot honour is refused here with a
 ValueError naming it: a model is never loaded approximately."""
 from __future__ import annotations
@@ -8,11 +8,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3_text", "phi3",
-                           "mixtral", "qwen3_moe", "olmoe")
-MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe")
-# mixture-of-experts families the engine does not run (shared experts, grouped routing, ...):
+                           "mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+# mixture-of-experts families the engine does not run (grouped routing, several shared experts, ...):
 # refused by name rather than as an unknown architecture
-UNSUPPORTED_MOE_ARCHITECTURES = ("qwen2_moe", "deepseek_v2", "deepseek_v3", "qwen3_next", "phimoe", "granitemoe",
+UNSUPPORTED_MOE_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "qwen3_next", "phimoe", "granitemoe",
                                  "jamba", "dbrx", "llama4_text", "gpt_oss")
 GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3", "longrope")
@@ -55,6 +55,9 @@ class ModelConfig:
     moe_intermediate_size: Optional[int] = None       # each expert's width (None: intermediate_size)
     norm_topk_prob: bool = True       # the chosen k router probabilities renormalised to sum to 1
     dense_mlp_layers: list[int] = field(default_factory=list)   # layers with a dense MLP instead of experts
+    # one shared expert beside the routed ones, every token through it, scaled by
+    # sigmoid(shared_expert_gate . x) (Qwen2-MoE); None: no shared expert
+    shared_expert_intermediate_size: Optional[int] = None
 
     def __post_init__(self):
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -114,13 +117,17 @@ class ModelConfig:
     def projection_shapes(self) -> tuple[tuple[int, int], ...]:
         """`[out, in]` of every matmul of a forward pass, in order: each layer's fused q|k|v,
         attention output, fused gate|up and down projections (a mixture-of-experts layer: each
-        token's top-k experts' ones, the router aside), then the LM head."""
+        token's top-k experts' ones and the shared expert's, the router and the shared expert's
+        gate aside), then the LM head."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         shapes: tuple[tuple[int, int], ...] = ()
         for layer in range(self.num_layers):
             if self.is_moe(layer):
                 i = self.expert_intermediate_size
                 shapes += ((q + 2 * kv, h), (h, q)) + ((2 * i, h), (h, i)) * self.num_experts_per_tok
+                if self.shared_expert_intermediate_size:
+                    s = self.shared_expert_intermediate_size
+                    shapes += ((2 * s, h), (h, s))
             else:
                 i = self.intermediate_size
                 shapes += ((q + 2 * kv, h), (h, q), (2 * i, h), (h, i))
@@ -132,7 +139,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":
-        """From a Hugging Face config.json (Llama, Qwen2, Mistral, Qwen3, Gemma 2, Gemma 3 text, Phi-3)."""
+        """From a Hugging Face config.json (Llama, Qwen2, Mistral, Qwen3, Gemma 2, Gemma 3 text, Phi-3,
+        and the mixtures of experts of MOE_ARCHITECTURES)."""
         model_type = cfg.get("model_type", "llama")
         if model_type in UNSUPPORTED_MOE_ARCHITECTURES:
             raise ValueError(f"unsupported model architecture {model_type!r}: its mixture of experts (shared "
@@ -232,8 +240,9 @@ def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> Optional[dict[str, An
 # ---- the newer architectures (config.json of transformers 4.x or 5.x) ------------------------
 NEWER_ARCHITECTURES = ("qwen3", "gemma2", "gemma3_text", "phi3") + MOE_ARCHITECTURES
 _ACTIVATION = {"qwen3": "silu", "phi3": "silu", "gemma2": "gelu_pytorch_tanh", "gemma3_text": "gelu_pytorch_tanh",
-               "mixtral": "silu", "qwen3_moe": "silu", "olmoe": "silu"}
+               "mixtral": "silu", "qwen3_moe": "silu", "olmoe": "silu", "qwen2_moe": "silu"}
 # config fields of mixture-of-experts checkpoints the engine does not implement: refused when set
+# (shared_expert_intermediate_size is Qwen2-MoE's own, refused for the other families)
 _UNSUPPORTED_MOE_FIELDS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts",
                            "moe_shared_expert_intermediate_size", "n_group", "topk_group", "routed_scaling_factor",
                            "first_k_dense_replace", "moe_layer_freq")
@@ -305,6 +314,15 @@ def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) 
         if model_type == "qwen3_moe" and not cfg.get("use_sliding_window"):
             window = None
         layer_types = ["sliding_attention"] * layers if window else None
+    elif model_type == "qwen2_moe":
+        # transformers 5 writes the layer_types it derives (odd-numbered layers below
+        # max_window_layers); a config.json without them is refused rather than guessed
+        if not cfg.get("use_sliding_window"):
+            window = None
+        elif layer_types is None or not window:
+            missing = "layer_types" if window else "sliding_window"
+            raise ValueError(f"qwen2_moe: use_sliding_window=True without {missing} is not supported "
+                             f"(which layers slide, or how far, is not stated)")
     elif model_type == "qwen3":
         if not cfg.get("use_sliding_window"):
             window = None
@@ -319,7 +337,7 @@ def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) 
         pattern = cfg.get("sliding_window_pattern") or 6
         layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if layer_types is not None and any(t == "sliding_attention" for t in layer_types) and not window \
-            and model_type != "qwen3":
+            and model_type not in ("qwen3", "qwen2_moe"):
         raise ValueError(f"{model_type}: layer_types has sliding layers but sliding_window is not set")
     if model_type == "gemma3_text" and local_theta is None:
         local_theta = 10000.0          # transformers' default rope_local_base_freq
@@ -332,7 +350,8 @@ def _from_newer_hf_config(cls, cfg: dict[str, Any], model_type: str, name: str) 
         rope_theta=rope_theta,
         max_position_embeddings=cfg.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        # Qwen2-MoE: q/k/v biases unless qkv_bias says otherwise (transformers 4 had no field: always)
+        attention_bias=bool(cfg.get("qkv_bias", True) if model_type == "qwen2_moe" else cfg.get("attention_bias", False)),
         rope_scaling=rope_scaling,
         name=name,
         qk_norm=model_type in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
@@ -364,25 +383,32 @@ def _moe_fields(cfg: dict[str, Any], model_type: str, layers: int) -> dict[str, 
     if model_type not in MOE_ARCHITECTURES:
         return {}
     for key in _UNSUPPORTED_MOE_FIELDS:
+        if key == "shared_expert_intermediate_size" and model_type == "qwen2_moe":
+            continue
         if cfg.get(key):
-            raise ValueError(f"{model_type}: {key}={cfg[key]!r} is not supported (no shared experts or grouped "
-                             f"routing in the engine's mixture of experts)")
+            raise ValueError(f"{model_type}: {key}={cfg[key]!r} is not supported (no grouped routing, and "
+                             f"no shared experts but Qwen2-MoE's one, in the engine's mixture of experts)")
     # Mixtral names it num_local_experts, Qwen3-MoE / OLMoE num_experts (transformers 5 may write either)
-    default = {"mixtral": 8, "qwen3_moe": 128, "olmoe": 64}[model_type]
+    default = {"mixtral": 8, "qwen3_moe": 128, "olmoe": 64, "qwen2_moe": 60}[model_type]
     experts = next((cfg[k] for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None), default)
     # Mixtral always renormalises the top k; the others as norm_topk_prob says (default False)
     norm_topk = True if model_type == "mixtral" else bool(cfg.get("norm_topk_prob", False))
     dense: list[int] = []
     fields: dict[str, Any] = {"num_experts": int(experts), "norm_topk_prob": norm_topk,
                               "num_experts_per_tok": int(cfg.get("num_experts_per_tok",
-                                                                 {"mixtral": 2, "qwen3_moe": 8}.get(model_type, 8)))}
-    if model_type == "qwen3_moe":
+                                                                 {"mixtral": 2, "qwen3_moe": 8,
+                                                                  "qwen2_moe": 4}.get(model_type, 8)))}
+    if model_type in ("qwen3_moe", "qwen2_moe"):
         step = int(cfg.get("decoder_sparse_step", 1))
         if step < 1:
-            raise ValueError(f"qwen3_moe: decoder_sparse_step={step} must be >= 1")
+            raise ValueError(f"{model_type}: decoder_sparse_step={step} must be >= 1")
         only = list(cfg.get("mlp_only_layers") or [])
         dense = [i for i in range(layers) if i in only or experts == 0 or (i + 1) % step]
-        fields["moe_intermediate_size"] = int(cfg.get("moe_intermediate_size", 768))
+        fields["moe_intermediate_size"] = int(cfg.get("moe_intermediate_size",
+                                                      768 if model_type == "qwen3_moe" else 1408))
+    if model_type == "qwen2_moe":
+        shared = cfg.get("shared_expert_intermediate_size", 5632)
+        fields["shared_expert_intermediate_size"] = int(shared) if shared else None
     if model_type == "olmoe":
         fields["qk_norm_per_head"] = False
         if cfg.get("clip_qkv") is not None:

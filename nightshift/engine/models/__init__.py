@@ -1,6 +1,6 @@
 """Model architectures: the shared decoder of models/llama.py (Llama, SmolLM, Qwen2, Mistral),
 and the architectures that declare their differences on it (qwen3.py, gemma.py, phi3.py; moe.py:
-the mixture-of-experts decoders Mixtral, Qwen3-MoE, OLMoE).
+the mixture-of-experts decoders Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE).
 `build_model` picks the class by the config's architecture."""
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "gemma2": GemmaForCausalLM, "gemma3_text": GemmaForCausalLM,
     "phi3": Phi3ForCausalLM,
     "mixtral": MixtralForCausalLM, "qwen3_moe": MoeForCausalLM, "olmoe": MoeForCausalLM,
+    "qwen2_moe": MoeForCausalLM,
 }
 
 

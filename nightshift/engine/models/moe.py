@@ -1,5 +1,5 @@
 """Mixture-of-experts decoders on the shared decoder: Mixtral (`MixtralForCausalLM`), Qwen3-MoE
-(`Qwen3MoeForCausalLM`) and OLMoE (`OlmoeForCausalLM`).
+(`Qwen3MoeForCausalLM`), OLMoE (`OlmoeForCausalLM`) and Qwen2-MoE (`Qwen2MoeForCausalLM`).
 
 Their difference from the Llama block is the MLP of (some of) their layers: a router (a
 full-precision `[num_experts, hidden]` matrix, never quantized) scores every expert, softmax over
@@ -19,13 +19,19 @@ Per family:
 * Qwen3-MoE: Qwen3's attention (per-head q/k RMSNorm); experts under `mlp` with gate_proj /
   up_proj / down_proj of `moe_intermediate_size`; dense MLP layers (intermediate_size) where
   `mlp_only_layers` or `decoder_sparse_step` say so (ModelConfig.dense_mlp_layers).
+* Qwen2-MoE: Qwen2's attention (q/k/v biases); experts as Qwen3-MoE's (dense layers likewise),
+  plus one shared expert every token goes through, a SwiGLU MLP of
+  `shared_expert_intermediate_size` under `mlp.shared_expert`, its output scaled by
+  sigmoid(x . shared_expert_gate) (a `[1, hidden]` matrix kept full precision like the router)
+  and added to the routed experts' sum.
 * OLMoE: q/k RMSNorm over the whole q and k projections (weights of num_heads * head_dim and
   num_kv_heads * head_dim), before the heads are split and RoPE; q, k, v clamped to
   [-clip_qkv, clip_qkv] after that where the config sets it.
 
 Layer names (WeightSource.name, the module paths, the INT4 cache keys):
-"model.layers.{i}.mlp.experts.{e}.gate_up_proj" / ".down_proj" for every family; the
-checkpoint parts keep each family's own names.
+"model.layers.{i}.mlp.experts.{e}.gate_up_proj" / ".down_proj" for every family, and
+"model.layers.{i}.mlp.shared_expert.gate_up_proj" / ".down_proj" for Qwen2-MoE's shared expert;
+the checkpoint parts keep each family's own names.
 """
 from __future__ import annotations
 
@@ -59,6 +65,10 @@ class Expert(nn.Module):
         self.gate_up_proj = projection(f"{name}.gate_up_proj", [gate, up])
         self.down_proj = projection(f"{name}.down_proj", [down])
 
+    def forward(self, x: torch.Tensor, activation) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(activation(gate) * up)
+
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, projection: Projection, tensor,
@@ -78,6 +88,15 @@ class SparseMoeBlock(nn.Module):
             Expert(f"{name}.experts.{e}", [f"{source}.experts.{e}.{p}" for p in arch.expert_parts],
                    config.expert_intermediate_size, projection)
             for e in range(self.num_experts))
+        self.shared_expert = self.shared_expert_gate = None
+        if config.shared_expert_intermediate_size:      # Qwen2-MoE
+            self.shared_expert = Expert(f"{name}.shared_expert",
+                                        [f"{source}.shared_expert.{p}" for p in arch.expert_parts],
+                                        config.shared_expert_intermediate_size, projection)
+            self.shared_expert_gate = nn.Parameter(tensor(f"{source}.shared_expert_gate.weight"), requires_grad=False)
+            if self.shared_expert_gate.shape[0] != 1:
+                raise ValueError(f"{source}.shared_expert_gate.weight has {self.shared_expert_gate.shape[0]} "
+                                 f"rows; one shared expert (one gate row) is supported")
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts) `[T, top_k]`: softmax over all experts in float32, the top k,
@@ -89,6 +108,13 @@ class SparseMoeBlock(nn.Module):
         return weights.to(x.dtype), chosen
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.routed(x)
+        if self.shared_expert is not None:
+            out += torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x, self.activation)
+        return out
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum (the shared expert aside)."""
         weights, chosen = self.route(x)
         # the T * k assignments sorted by expert: each expert's rows are contiguous
         flat = chosen.reshape(-1)
@@ -100,8 +126,7 @@ class SparseMoeBlock(nn.Module):
         start = 0
         for expert, count in zip(self.experts, counts):
             if count:
-                gate, up = expert.gate_up_proj(rows[start:start + count]).split(expert.intermediate, dim=-1)
-                outputs.append(expert.down_proj(self.activation(gate) * up))
+                outputs.append(expert(rows[start:start + count], self.activation))
                 start += count
         out = torch.cat(outputs) * weights.reshape(-1, 1).index_select(0, order)
         return torch.zeros_like(x).index_add_(0, token, out)
@@ -139,7 +164,7 @@ class MoeDecoderLayer(DecoderLayer):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """Qwen3-MoE and OLMoE (experts under `mlp`: gate_proj / up_proj / down_proj)."""
+    """Qwen3-MoE, OLMoE and Qwen2-MoE (experts under `mlp`: gate_proj / up_proj / down_proj)."""
     arch = MoeArchitecture
     layer_class = MoeDecoderLayer
 

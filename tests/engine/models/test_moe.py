@@ -1,9 +1,11 @@
-"""Mixture-of-experts decoders (models/moe.py): Mixtral, Qwen3-MoE and OLMoE against transformers'
-MixtralForCausalLM, Qwen3MoeForCausalLM and OlmoeForCausalLM float32 (checks: model_check.py).
+"""Mixture-of-experts decoders (models/moe.py): Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE against
+transformers' MixtralForCausalLM, Qwen3MoeForCausalLM, OlmoeForCausalLM and Qwen2MoeForCausalLM
+float32 (checks: model_check.py).
 
 The tiny models have their router and expert weights scaled up from transformers' init (std
 0.02), so that routing is decisive (the top-k choice and the router weights move the logits
-far beyond the tolerance: a wrong normalisation or a wrong expert fails the checks)."""
+far beyond the tolerance: a wrong normalisation or a wrong expert fails the checks); Qwen2-MoE's
+shared expert and its sigmoid gate are scaled up too, and its q/k/v biases made non-zero."""
 from __future__ import annotations
 
 import pytest
@@ -27,6 +29,13 @@ def hf_model(family: str):
     if family == "mixtral":
         config = tf.MixtralConfig(**COMMON, intermediate_size=96, num_local_experts=8, num_experts_per_tok=2)
         return tf.MixtralForCausalLM(config)
+    if family == "qwen2_moe":
+        # a shared expert of its own width beside experts of theirs, layer 1 dense (mlp_only_layers),
+        # top-k weights not renormalised (its default), q/k/v biases
+        config = tf.Qwen2MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=96, num_experts=6, num_experts_per_tok=2,
+                                   norm_topk_prob=False, mlp_only_layers=[1])
+        return tf.Qwen2MoeForCausalLM(config)
     if family == "qwen3_moe":
         # layer 1 dense (mlp_only_layers), experts of their own width, renormalised top-k
         config = tf.Qwen3MoeConfig(**COMMON, head_dim=32, intermediate_size=128, moe_intermediate_size=64,
@@ -43,11 +52,15 @@ def decisive_routing(model: torch.nn.Module) -> None:
         for name, param in model.named_parameters():
             if name.endswith(".gate.weight") and param.dim() == 2 and param.shape[0] < 16:
                 param.normal_(0.0, 0.3)           # router: clear preferences, far from ties
-            elif ".experts." in name:
+            elif ".experts." in name or ".shared_expert." in name:
                 param.mul_(4.0)
+            elif name.endswith("shared_expert_gate.weight"):
+                param.normal_(0.0, 0.5)           # the shared expert's sigmoid gate: far from a constant 1/2
+            elif name.endswith("_proj.bias"):
+                param.normal_(0.0, 0.1)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "olmoe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def tiny(request, tmp_path_factory):
     torch.manual_seed(0)
     reference = hf_model(request.param).eval()
@@ -66,6 +79,11 @@ def test_config_and_class(tiny):
     if family == "mixtral":
         assert isinstance(ours, MixtralForCausalLM) and cfg.norm_topk_prob and not cfg.qk_norm
         assert cfg.num_experts == 8 and isinstance(ours.layers[1].mlp, SparseMoeBlock)
+    elif family == "qwen2_moe":
+        assert type(ours) is MoeForCausalLM and not cfg.qk_norm and not cfg.norm_topk_prob and cfg.attention_bias
+        assert cfg.dense_mlp_layers == [1] and type(ours.layers[1].mlp) is MLP and cfg.num_experts == 6
+        assert moe.experts[0].intermediate == 32 and moe.shared_expert.intermediate == 96
+        assert moe.shared_expert_gate.shape == (1, 64) and ours.layers[0].self_attn.qkv_proj.bias is not None
     elif family == "qwen3_moe":
         assert type(ours) is MoeForCausalLM and cfg.qk_norm and cfg.qk_norm_per_head and cfg.norm_topk_prob
         assert cfg.dense_mlp_layers == [1] and type(ours.layers[1].mlp) is MLP
@@ -98,6 +116,10 @@ def test_int4_load_runs_and_quantizes_experts_not_router(tiny, tmp_path):
     moe = model.layers[0].mlp
     assert all(isinstance(e.gate_up_proj, Int4Linear) and isinstance(e.down_proj, Int4Linear) for e in moe.experts)
     assert moe.gate.dtype == torch.float32
+    if moe.shared_expert is not None:
+        assert isinstance(moe.shared_expert.gate_up_proj, Int4Linear) and isinstance(moe.shared_expert.down_proj,
+                                                                                      Int4Linear)
+        assert moe.shared_expert_gate.dtype == torch.float32
 
 
 def test_experts_are_grouped_gemms_not_a_token_loop(tiny):
@@ -134,10 +156,39 @@ def test_qwen3_moe_sparse_step_and_mlp_only_layers():
     assert ModelConfig.from_hf_config({**cfg, "sliding_window": 16}).layer_window(0) is None
 
 
+def test_qwen2_moe_sparse_layers_as_transformers_builds_them():
+    """decoder_sparse_step and mlp_only_layers pick the same sparse layers as Qwen2MoeForCausalLM's own."""
+    import transformers as tf
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    fields = dict(vocab_size=100, hidden_size=32, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                  num_experts=4, num_experts_per_tok=2)
+    for step, only in ((2, []), (1, [0, 4]), (3, [2]), (1, [])):
+        config = tf.Qwen2MoeConfig(**fields, decoder_sparse_step=step, mlp_only_layers=only)
+        hf = tf.Qwen2MoeForCausalLM(config)
+        ours = ModelConfig.from_hf_config(config.to_dict())
+        assert [ours.is_moe(i) for i in range(6)] == \
+            [isinstance(layer.mlp, Qwen2MoeSparseMoeBlock) for layer in hf.model.layers], (step, only)
+        assert ours.shared_expert_intermediate_size == 24 and ours.attention_bias
+    no_bias = ModelConfig.from_hf_config({**MOE_CFG, "model_type": "qwen2_moe", "num_experts": 4, "qkv_bias": False})
+    assert not no_bias.attention_bias and no_bias.shared_expert_intermediate_size == 5632   # transformers' default
+    none = ModelConfig.from_hf_config({**MOE_CFG, "model_type": "qwen2_moe", "num_experts": 4,
+                                       "shared_expert_intermediate_size": 0})
+    assert none.shared_expert_intermediate_size is None
+    # the shared expert's matmuls count in the step's projections (CPU math chooses on them)
+    with_shared = ModelConfig.from_hf_config({**MOE_CFG, "model_type": "qwen2_moe", "num_experts": 4,
+                                              "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                              "shared_expert_intermediate_size": 24})
+    assert with_shared.projection_shapes[:6] == ((192, 64), (64, 64), (32, 64), (64, 16), (32, 64), (64, 16)) \
+        and with_shared.projection_shapes[6:8] == ((48, 64), (64, 24))
+
+
 def test_unsupported_moe_configs_are_refused_by_name():
-    with pytest.raises(ValueError, match="qwen2_moe"):
+    with pytest.raises(ValueError, match="deepseek_v3"):
+        ModelConfig.from_hf_config({**MOE_CFG, "model_type": "deepseek_v3", "n_routed_experts": 4})
+    with pytest.raises(ValueError, match="use_sliding_window=True without layer_types"):
         ModelConfig.from_hf_config({**MOE_CFG, "model_type": "qwen2_moe", "num_experts": 4,
-                                    "shared_expert_intermediate_size": 64})
+                                    "use_sliding_window": True, "sliding_window": 16})
     with pytest.raises(ValueError, match="shared_expert_intermediate_size"):
         ModelConfig.from_hf_config({**MOE_CFG, "model_type": "qwen3_moe", "num_experts": 4,
                                     "shared_expert_intermediate_size": 64})
@@ -149,3 +200,19 @@ def test_unsupported_moe_configs_are_refused_by_name():
         ModelConfig.from_hf_config({**MOE_CFG, "model_type": "olmoe", "sliding_window": 16})
     mixtral = ModelConfig.from_hf_config({**MOE_CFG, "model_type": "mixtral", "sliding_window": 32})
     assert mixtral.num_experts == 8 and mixtral.norm_topk_prob and mixtral.layer_window(2) == 32
+
+
+def test_qwen2_moe_sliding_layers_match_hf(tmp_path):
+    """use_sliding_window with the layer_types transformers derives (layer 0 of 2 slides here): the
+    window's layers attend through it, shorter than the prompt."""
+    import transformers as tf
+    torch.manual_seed(1)
+    config = tf.Qwen2MoeConfig(**COMMON, intermediate_size=128, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                               use_sliding_window=True, sliding_window=8, max_window_layers=2)
+    reference = tf.Qwen2MoeForCausalLM(config).eval()
+    randomize_norms(reference)
+    decisive_routing(reference)
+    ours = load_model(save(reference, tmp_path / "q2moe-window"), cpu_math="float32")
+    assert [ours.config.layer_window(i) for i in range(2)] == [8, None]
+    check_steps(ours, reference, prompt(30, 3), chunk=11)
