@@ -12,6 +12,16 @@ in a later step reuses it even while its first owner is still running. The last,
 partial block of a sequence is never cached. Freed blocks that carry a hash stay in
 the cache (LRU order, a sequence's tail blocks first) and are only evicted when a new
 block is needed and no uncached free block is left.
+
+Sliding windows: when every layer of the model attends within a window (ModelConfig.kv_window),
+a running sequence's leading blocks that fall wholly before the oldest position its next query
+reads are given back early (`release_before`): the entry in its block_table becomes RELEASED
+(the table keeps its length, so block i still covers positions i * block_size..), and the block
+loses this sequence's reference like a freed one. A released block that was registered stays in
+the prefix cache, intact, until evicted: its K/V are those of its positions whatever follows, so
+a later prompt with the same prefix may reuse it (match_prefix only offers a chain that starts at
+the first block and has every block up to the hit, and a block is only overwritten after
+eviction, which drops its hash). A sequence never reads its own released entries again.
 """
 from __future__ import annotations
 
@@ -22,6 +32,7 @@ from typing import Optional, Sequence as Seq
 from nightshift.engine.sequence import Sequence
 
 ROOT_HASH = 0x6E69676874736866  # parent hash of a sequence's first block
+RELEASED = -1                   # a block_table entry given back (out of every layer's window)
 
 
 def chain_hash(parent_hash: int, token_ids: Seq[int]) -> int:
@@ -184,6 +195,8 @@ class BlockManager:
             return
         hashes = self.block_hashes(seq, num_full)
         for i in range(seq.num_registered_blocks, num_full):
+            if seq.block_table[i] == RELEASED:      # (released blocks were registered before)
+                continue
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.hash = hashes[i]
@@ -205,10 +218,12 @@ class BlockManager:
         assert not child.block_table, "fork target already holds blocks"
         full = parent.num_computed_tokens // self.block_size
         for block_id in parent.block_table[:full]:
-            self.blocks[block_id].ref_count += 1
+            if block_id != RELEASED:
+                self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table[:full])
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        child.num_released_blocks = parent.num_released_blocks
         if full == len(parent.block_table):
             return None
         block_id = self._take_free_block()
@@ -218,15 +233,38 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop seq's references; blocks reaching zero stay cached if they carry a hash."""
         for block_id in reversed(seq.block_table):  # tail blocks become LRU-first
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
-                    self._free_cached[block_id] = None
-                else:
-                    block.reset()
-                    self._free_uncached.append(block_id)
+            if block_id != RELEASED:
+                self._drop(block_id)
         seq.block_table = []
         seq.num_registered_blocks = 0
+        seq.num_released_blocks = 0
         seq.num_computed_tokens = 0
+
+    def release_before(self, seq: Sequence, position: int) -> int:
+        """Give back seq's blocks that lie wholly before `position` (the oldest position any of its
+        later queries reads) and are computed; their table entries become RELEASED. Returns how
+        many blocks were given back. Only for models whose every layer attends within a window."""
+        end = min(max(position, 0), seq.num_computed_tokens) // self.block_size
+        released = 0
+        for i in range(seq.num_released_blocks, min(end, len(seq.block_table))):
+            self._drop(seq.block_table[i])
+            seq.block_table[i] = RELEASED
+            released += 1
+        seq.num_released_blocks = max(seq.num_released_blocks, end)
+        return released
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        """Blocks seq holds (its table less the released entries)."""
+        return len(seq.block_table) - seq.num_released_blocks
+
+    def _drop(self, block_id: int) -> None:
+        """One reference less; a block reaching zero stays cached if it carries a hash."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            if block.hash is not None and self.hash_to_block.get(block.hash) == block_id:
+                self._free_cached[block_id] = None
+            else:
+                block.reset()
+                self._free_uncached.append(block_id)

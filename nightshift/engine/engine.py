@@ -45,7 +45,9 @@ class Engine:
         self.max_model_len = runner.max_model_len
         self.vocab_size = runner.config.vocab_size
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        # a model whose every layer slides: blocks out of the window go back to the pool as it runs
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   window=runner.config.kv_window)
         eos = eos_token_ids if eos_token_ids is not None else list(tokenizer.eos_token_ids)
         self.eos_token_ids = eos
         self.stop_checker = StopChecker(tokenizer, eos, self.max_model_len)

@@ -104,6 +104,15 @@ class ModelConfig:
         return self.sliding_window if self.sliding_window and self.is_sliding(layer) else None
 
     @property
+    def kv_window(self) -> Optional[int]:
+        """The span every layer attends within when every layer has a window (the widest of
+        them), None when some layer attends to the whole context. Each query at position p then
+        reads no key before p - kv_window + 1, so KV blocks wholly before that can be given back
+        (Scheduler.complete_step); with a global layer among them nothing can."""
+        windows = [self.layer_window(i) for i in range(self.num_layers)]
+        return None if not windows or None in windows else max(windows)
+
+    @property
     def needs_masked_attention(self) -> bool:
         """Some layer attends through a window or with soft-capped scores (attention/ backends
         then take their masked path for those layers)."""
@@ -154,11 +163,19 @@ class ModelConfig:
             raise ValueError(f"config.json is missing {', '.join(missing)}")
         rope_scaling = cfg.get("rope_scaling")
         max_positions = cfg.get("max_position_embeddings", 2048)
-        # Sliding-window attention is not implemented: cap the context at the window, where
-        # full attention computes exactly the same thing.
-        window = cfg.get("sliding_window")
-        if window and (model_type == "mistral" or cfg.get("use_sliding_window")):
-            max_positions = min(max_positions, window)
+        # sliding windows as transformers applies them: Mistral's on every layer; Qwen2's where
+        # use_sliding_window says, on the layers from max_window_layers on (or as layer_types says)
+        window = cfg.get("sliding_window") or None
+        layers = cfg["num_hidden_layers"]
+        layer_types = None
+        if window and model_type == "mistral":
+            layer_types = ["sliding_attention"] * layers
+        elif window and model_type == "qwen2" and cfg.get("use_sliding_window"):
+            layer_types = cfg.get("layer_types") or [
+                "sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"   # transformers' default
+                for i in range(layers)]
+        if layer_types is None or "sliding_attention" not in layer_types:
+            window = layer_types = None
         rope_theta = cfg.get("rope_theta")
         # transformers 5 moved rope settings into `rope_parameters`
         rope_parameters = cfg.get("rope_parameters")
@@ -176,6 +193,8 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
             rope_scaling=rope_scaling,
             name=name,
+            sliding_window=window,
+            layer_types=layer_types,
         )
 
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from nightshift.engine.attention import AttentionOptions, select_attention_backend
+from nightshift.engine.block_manager import RELEASED
 from nightshift.engine.cpu_allocator import keep_large_allocations
 from nightshift.engine.engine_config import DEFAULT_BLOCK_SIZE
 from nightshift.engine.kv_cache import allocate_kv_caches, kv_bytes_per_block
@@ -36,6 +37,7 @@ class ModelRunner:
         self.device: torch.device = model.embed_tokens.device
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.kv_window = self.config.kv_window      # every layer's attention span, None: some layer is global
         self.attention = select_attention_backend(self.config, block_size, self.dtype, self.device,
                                                   AttentionOptions(**attention_options))
         self.kv_caches = allocate_kv_caches(self.config, num_kv_blocks, block_size, self.dtype, self.device)
@@ -105,7 +107,12 @@ class ModelRunner:
         needed = (end + self.block_size - 1) // self.block_size
         if len(item.block_table) < needed:
             raise ValueError(f"{where}: {end} tokens need {needed} blocks, block_table has {len(item.block_table)}")
-        bad = [b for b in item.block_table[:needed] if not 0 <= b < self.num_kv_blocks]
+        # entries given back (BlockManager.RELEASED) only where no query of the item reads them:
+        # wholly before the oldest position of its window, in a model whose every layer slides
+        window = self.kv_window
+        released = 0 if window is None else max(0, item.start_pos - window + 1) // self.block_size
+        bad = [b for i, b in enumerate(item.block_table[:needed])
+               if not 0 <= b < self.num_kv_blocks and not (b == RELEASED and i < released)]
         if bad:
             raise ValueError(f"{where}: block ids {bad} outside the pool of {self.num_kv_blocks}")
         bad_tokens = [t for t in item.token_ids if not 0 <= t < self.config.vocab_size]

@@ -18,6 +18,11 @@ sequence waits only on a running sequence that makes progress every step.
 
 A request with n choices is admitted as one sequence that counts n against `max_num_seqs`; once
 its prompt is computed, `fork` adds the other n - 1, sharing its prompt's blocks.
+
+Sliding windows: with `window` (ModelConfig.kv_window: every layer of the model attends within
+it), each step gives back the blocks of each sequence that lie wholly before the oldest position
+its next query reads (num_computed_tokens - window + 1): a sequence then holds at most
+ceil((window - 1 + chunk) / block_size) + 1 blocks, ceil(window / block_size) + 1 while decoding.
 """
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 window: int | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.block_manager = block_manager
@@ -55,6 +61,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order, newest last
         self.num_preemptions = 0
         self.max_held_back_scan = 4 * max_num_seqs  # bounds the per-step admission scan
+        self.window = window                         # every layer's attention span (None: some layer is global)
+        self.num_released_blocks = 0                 # blocks given back out of the window, all steps
 
     # ---- queue -----------------------------------------------------------------
     def add(self, seqs: Iterable[Sequence], offline: bool = False) -> None:
@@ -183,8 +191,11 @@ class Scheduler:
         return budget
 
     def complete_step(self, scheduled: list[ScheduledSeq]) -> None:
-        """Advance each scheduled sequence past the tokens it just computed."""
+        """Advance each scheduled sequence past the tokens it just computed (registering its full
+        blocks in the prefix cache, then giving back those out of the window, if the model has one)."""
         bm = self.block_manager
         for item in scheduled:
             item.seq.num_computed_tokens = item.start_pos + item.num_new_tokens
             bm.register_computed_blocks(item.seq)
+            if self.window is not None:
+                self.num_released_blocks += bm.release_before(item.seq, item.seq.num_computed_tokens - self.window + 1)

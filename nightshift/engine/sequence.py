@@ -41,6 +41,9 @@ class Sequence:
         self.block_hashes: list[int] = []
         # leading blocks of block_table already registered in the prefix cache
         self.num_registered_blocks = 0
+        # leading entries of block_table given back (BlockManager.RELEASED): out of every layer's
+        # window, their positions are never read again (models whose layers all slide)
+        self.num_released_blocks = 0
         # prefix-cache hit of the first admission (a recompute after preemption is our cost,
         # not a cache benefit to report)
         self.cached_prompt_tokens: Optional[int] = None

@@ -102,7 +102,7 @@ def test_hf_config_parsing():
             "intermediate_size": 128, "vocab_size": 100, "sliding_window": 32, "max_position_embeddings": 128}
     cfg = ModelConfig.from_hf_config(base)
     assert cfg.num_kv_heads == 4 and cfg.head_dim == 16 and not cfg.attention_bias
-    assert cfg.max_position_embeddings == 32, "context is capped at the sliding window (not implemented)"
+    assert cfg.max_position_embeddings == 128 and cfg.kv_window == 32, "Mistral's window on every layer, no cap"
     with pytest.raises(ValueError, match="missing intermediate_size"):
         ModelConfig.from_hf_config({k: v for k, v in base.items() if k != "intermediate_size"})
     with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'"):
