@@ -25,6 +25,8 @@ _LAYER_NAMES = {
     "attn_v.weight": "self_attn.v_proj.weight",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",     # Qwen3's per-head q/k RMSNorms
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -47,7 +49,7 @@ def hf_name(gguf_name: str) -> str:
     match = _BLOCK_RE.match(gguf_name)
     if match and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Llama-family mapping")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Llama-family or Qwen3 mapping")
 
 
 def unpermute_qk_rows(rows: np.ndarray, n_head: int) -> np.ndarray:

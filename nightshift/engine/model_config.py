@@ -14,7 +14,7 @@ MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 # refused by name rather than as an unknown architecture
 UNSUPPORTED_MOE_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "qwen3_next", "phimoe", "granitemoe",
                                  "jamba", "dbrx", "llama4_text", "gpt_oss")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -233,6 +233,7 @@ class ModelConfig:
             max_position_embeddings=int(key("context_length", 2048)),
             tie_word_embeddings=not has_output_weight,
             attention_bias=arch == "qwen2",
+            qk_norm=arch == "qwen3",             # Qwen3: attn_q_norm / attn_k_norm per head
             rope_scaling=_gguf_rope_scaling(meta, arch),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[] if eos is None else [int(eos)],
