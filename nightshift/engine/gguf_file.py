@@ -49,7 +49,7 @@ def hf_name(gguf_name: str) -> str:
     match = _BLOCK_RE.match(gguf_name)
     if match and match.group(2) in _LAYER_NAMES:
         return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Llama-family or Qwen3 mapping")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Llama-family mapping (llama, qwen2, mistral, qwen3)")
 
 
 def unpermute_qk_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
