@@ -154,7 +154,7 @@ def test_a_team_lead_watches_cancels_retries_downloads_and_sees_every_page(pipel
     assert key not in stored and all(key not in c["value"] for c in context.cookies())   # HttpOnly: none seen
 
     watched = create_batch(client, "watched.jsonl", chat_lines("watched", 5, 16, too_long=True))
-    longer = create_batch(client, "longer.jsonl", chat_lines("longer", 8, 256, ignore_eos=True))
+    longer = create_batch(client, "longer.jsonl", chat_lines("longer", 8, 1024, ignore_eos=True))   # still running when cancelled
 
     # the list, open while the engine loads and runs: rows change through the poll, no reload
     page.goto("/console")
