@@ -34,7 +34,7 @@ def test_small_run_against_embedded_service(capsys):
     samples = api_load.run(api_load.argparse.Namespace(
         shape="embedded", clients=6, seconds=2.0, interval=0.1, uploads=2, upload_lines=10, big_file_lines=200,
         batch_requests=0, processes=2, hammer=0, polite_clients=0,
-        slow_readers=2, reader_kbps=100, reader_file_mb=0.5))
+        slow_readers=2, reader_kbps=100, reader_file_mb=0.5, consoles=0, console_interval=3.0, console_rounds=2))
     out = capsys.readouterr().out
     assert samples.errors == {}
     assert len(samples.latencies["GET /v1/batches/{id}"]) > 10
