@@ -22,6 +22,7 @@ from nightshift.engine.engine_config import EngineConfig, resolve_device, resolv
 from nightshift.engine.grammar import GrammarCompiler, GrammarError, GrammarMasks, LateGrammarCheck
 from nightshift.engine.loader import load_model
 from nightshift.engine.model_files import model_name, resolve_model
+from nightshift.engine.models import fused_cpu_layer
 from nightshift.engine.model_runner import ModelRunner
 from nightshift.engine.quant.config import resolve_quant_config
 from nightshift.engine.request_validation import check_request
@@ -100,7 +101,7 @@ class Engine:
             config = EngineConfig.of(**options)
         elif any(value is not None for value in options.values()):
             raise TypeError("give either a config or engine options, not both")
-        num_kv_blocks = config.kv_pool_blocks(model.config, model.dtype, model.embed_tokens.device)
+        num_kv_blocks = config.kv_pool_blocks(model.config, model.kv_dtype, model.embed_tokens.device)
         runner = ModelRunner(model, num_kv_blocks=num_kv_blocks, block_size=config.block_size,
                              enforce_eager=config.enforce_eager)
         return cls(runner, tokenizer, model_name, config)
@@ -108,7 +109,8 @@ class Engine:
     @property
     def compute(self) -> str:
         """How the model computes, for logs and benchmarks: device, dtype and, for a float32 CPU
-        model, its CPU math (engine/layers/cpu_math.py) and why."""
+        model, its CPU math (engine/layers/cpu_math.py) and why, and whether its layers run as
+        fused kernels (models/fused_cpu_layer.py) over a pool of narrower K/V."""
         model = self.runner.model
         where = f"{model.embed_tokens.device.type} {str(model.dtype).removeprefix('torch.')}"
         choice = getattr(model, "cpu_math", None)
@@ -116,7 +118,9 @@ class Engine:
             return f"{where}, decode steps {'eager' if self.runner.graphs is None else 'from CUDA graphs'}"
         if choice is None:
             return where
-        return f"{where}, CPU math {choice.describe()}"
+        fused = self.runner.attention.name == fused_cpu_layer.BACKEND and getattr(model, "fused_layers", None) is not None
+        layers = f", fused layers, {str(self.runner.kv_dtype).removeprefix('torch.')} K/V" if fused else ""
+        return f"{where}, CPU math {choice.describe()}{layers}"
 
     # ---- validation -----------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:

@@ -40,7 +40,8 @@ class ModelRunner:
         self.kv_window = self.config.kv_window      # every layer's attention span, None: some layer is global
         self.attention = select_attention_backend(self.config, block_size, self.dtype, self.device,
                                                   AttentionOptions(**attention_options))
-        self.kv_caches = allocate_kv_caches(self.config, num_kv_blocks, block_size, self.dtype, self.device)
+        self.kv_dtype: torch.dtype = model.kv_dtype      # the model's dtype, or narrower (LlamaForCausalLM.kv_dtype)
+        self.kv_caches = allocate_kv_caches(self.config, num_kv_blocks, block_size, self.kv_dtype, self.device)
         if self.device.type == "cpu":
             keep_large_allocations()      # a step's big temporaries reused, not page-faulted anew
         self.graphs = None
@@ -50,7 +51,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        return kv_bytes_per_block(self.config, self.block_size, self.dtype)
+        return kv_bytes_per_block(self.config, self.block_size, self.kv_dtype)
 
     @property
     def max_model_len(self) -> int:

@@ -24,18 +24,20 @@ def reference(q, k_cache, v_cache, tables, lens, scale):
     return torch.stack(out).float()
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16),
                                                              (6, 2, 48, 8)])
-def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size, portable):
+def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size, portable, kv_dtype):
     """Both builds: the native one (AVX-512 loops where the CPU has them and the head dim is a
-    multiple of 16) and the plain C loops every other CPU runs."""
-    if cpu_paged_attention.load(heads // kv_heads, dim, portable) is None:
+    multiple of 16) and the plain C loops every other CPU runs; pools of float32 and of bfloat16
+    K/V (compared with attention over the bfloat16 values)."""
+    if cpu_paged_attention.load(heads // kv_heads, dim, portable, kv_dtype) is None:
         pytest.skip("no C compiler here: the runner uses the torch path")
     rng = random.Random(heads)
     num_blocks = 96
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(kv_dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim).to(kv_dtype)
     lens = [1, block_size, block_size + 1, 3 * block_size - 1, 70, 5]
     ids = list(range(num_blocks))
     rng.shuffle(ids)
@@ -50,7 +52,7 @@ def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size, port
     q = torch.randn(len(lens), heads, dim) * 3   # sharp softmaxes too
     lengths = torch.tensor(lens, dtype=torch.int32)
     out = cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lengths, dim ** -0.5, portable)
-    expected = reference(q, k_cache, v_cache, tables, lengths, dim ** -0.5)
+    expected = reference(q, k_cache.float(), v_cache.float(), tables, lengths, dim ** -0.5)
     assert out.shape == q.shape
     assert (out - expected).abs().max().item() < 1e-4
     # a row's result is the same bits whatever rows share the call (a lone request = a batched one)
@@ -58,6 +60,11 @@ def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size, port
         alone = cpu_paged_attention.paged_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1].contiguous(),
                                                     lengths[i:i + 1], dim ** -0.5, portable)
         assert torch.equal(alone[0], out[i])
+
+
+def test_pools_of_other_dtypes_are_refused():
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_paged_attention.load(3, 64, kv_dtype=torch.float16)
 
 
 def test_supports_only_float32_and_its_buffers():

@@ -158,4 +158,5 @@ def test_the_real_model_on_each_path_follows_float32(math, fp32_model, default_m
     assert agreement >= {"bf16": 0.9, "int8": 0.75}[math], agreement
     from nightshift.engine.engine import Engine
     engine = Engine.from_model(model, tokenizer, "m", max_num_seqs=2, num_kv_blocks=8)
-    assert engine.compute == f"cpu float32, CPU math {math} (forced)"
+    fused = ", fused layers, bfloat16 K/V" if math == "bf16" else ""     # models/fused_cpu_layer.py
+    assert engine.compute == f"cpu float32, CPU math {math} (forced){fused}"

@@ -47,14 +47,17 @@ def kl(logits: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def test_fused_layers_follow_float32_as_closely_as_the_torch_layers(bf16_model, fp32_model):
-    """Both bf16 forms against the float32 model on the same schedule: the fused layers drift
-    from it no more than the torch layers on the same bf16 math do (they round at the same places)."""
+    """Both bf16 forms against the float32 model on the same schedule (both over the runner's
+    bfloat16 K/V pool): the fused layers drift from it no more than the torch layers on the same
+    bf16 math do (they round at the same places)."""
     assert bf16_model.fused_layers is not None and len(bf16_model.fused_layers) == bf16_model.config.num_layers
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (40, 23, 71, 9)]
     forced = [torch.randint(100, 40000, (12,), generator=g).tolist() for _ in prompts]
     runner = ModelRunner(bf16_model, num_kv_blocks=40, block_size=16)
     assert runner.attention.name == fused_cpu_layer.BACKEND
+    assert runner.kv_dtype == torch.bfloat16 and runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert runner.kv_bytes_per_block * 2 == ModelRunner(fp32_model, num_kv_blocks=1).kv_bytes_per_block
     fused = schedule(runner, bf16_model.fused_layers, prompts, forced)
     torch_layers = schedule(runner, None, prompts, forced)
     reference = schedule(ModelRunner(fp32_model, num_kv_blocks=40, block_size=16), None, prompts, forced)

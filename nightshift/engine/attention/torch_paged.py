@@ -58,12 +58,13 @@ def index_copy_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache positions `slots` (any shape S) -> `[*S, kv_heads, head_dim]`."""
+def gather_kv(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache positions `slots` (any shape S) -> `[*S, kv_heads, head_dim]` in `dtype` (the
+    queries': a pool may hold K/V narrower than the model computes, see ModelRunner)."""
     kv_heads, head_dim = cache.shape[-2:]
     # index_select, not cache[slots]: advanced indexing is ~10x slower on CPU here
     flat = cache.view(-1, kv_heads, head_dim).index_select(0, slots.reshape(-1))
-    return flat.view(*slots.shape, kv_heads, head_dim)
+    return flat.view(*slots.shape, kv_heads, head_dim).to(dtype)
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -110,15 +111,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if batch.prefix_slots is None:
         outs = []
         for g in batch.groups:
-            keys = gather_kv(k_cache, g.slots).transpose(1, 2)   # [b, kv_heads, L, D]
-            values = gather_kv(v_cache, g.slots).transpose(1, 2)
+            keys = gather_kv(k_cache, g.slots, q.dtype).transpose(1, 2)   # [b, kv_heads, L, D]
+            values = gather_kv(v_cache, g.slots, q.dtype).transpose(1, 2)
             outs.append(F.scaled_dot_product_attention(qg[g.row_start:g.row_end], keys, values,
                                                        attn_mask=g.mask, scale=scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return _ungrouped(out, 1, heads).squeeze(1)
     # shared prefix: every query of the batch against the prefix's K/V, read once
-    prefix_k = gather_kv(k_cache, batch.prefix_slots).transpose(0, 1).unsqueeze(0)   # [1, kv_heads, P, D]
-    prefix_v = gather_kv(v_cache, batch.prefix_slots).transpose(0, 1).unsqueeze(0)
+    prefix_k = gather_kv(k_cache, batch.prefix_slots, q.dtype).transpose(0, 1).unsqueeze(0)   # [1, kv_heads, P, D]
+    prefix_v = gather_kv(v_cache, batch.prefix_slots, q.dtype).transpose(0, 1).unsqueeze(0)
     q_all = qg.transpose(0, 1).reshape(1, kv_heads, size * group, dim)
     out_p, lse_p = attention_with_lse(q_all, prefix_k, prefix_v, None, scale)
     out_p = out_p.view(kv_heads, size, group, dim).transpose(0, 1)
@@ -126,8 +127,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     # each sequence's own positions after the prefix
     outs, lses = [], []
     for g in batch.groups:
-        keys = gather_kv(k_cache, g.slots).transpose(1, 2)
-        values = gather_kv(v_cache, g.slots).transpose(1, 2)
+        keys = gather_kv(k_cache, g.slots, q.dtype).transpose(1, 2)
+        values = gather_kv(v_cache, g.slots, q.dtype).transpose(1, 2)
         out_s, lse_s = attention_with_lse(qg[g.row_start:g.row_end], keys, values, g.mask, scale)
         outs.append(out_s)
         lses.append(lse_s)
@@ -149,8 +150,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                                              v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale,
                                              enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
-    keys = gather_kv(k_cache, span.context_slots).transpose(0, 1).unsqueeze(0)   # [1, kv_heads, L, D]
-    values = gather_kv(v_cache, span.context_slots).transpose(0, 1).unsqueeze(0)
+    keys = gather_kv(k_cache, span.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)   # [1, kv_heads, L, D]
+    values = gather_kv(v_cache, span.context_slots, q.dtype).transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(_grouped(q.unsqueeze(0), keys.shape[1]), keys, values,
                                          attn_mask=span.mask, scale=scale)
     return _ungrouped(out, n, heads).squeeze(0)
@@ -183,8 +184,8 @@ def masked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         end = s.start_pos + n
         first = 0 if window is None else max(0, s.start_pos - window + 1)    # oldest key any query sees
         slots = s.context_slots[first:end]
-        keys = gather_kv(k_cache, slots).transpose(0, 1).unsqueeze(0)       # [1, kv_heads, L, D]
-        values = gather_kv(v_cache, slots).transpose(0, 1).unsqueeze(0)
+        keys = gather_kv(k_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)       # [1, kv_heads, L, D]
+        values = gather_kv(v_cache, slots, q.dtype).transpose(0, 1).unsqueeze(0)
         qg = _grouped(q[s.row_start:s.row_end].unsqueeze(0), kv_heads)     # [1, kv_heads, n * group, D]
         q_pos = torch.arange(s.start_pos, end, device=q.device).repeat_interleave(group)[:, None]
         k_pos = torch.arange(first, end, device=q.device)[None, :]

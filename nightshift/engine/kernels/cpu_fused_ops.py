@@ -81,13 +81,27 @@ void silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I) {
     }
 }
 
+/* x [n] into the pool at element `at` (float32, or bfloat16 where bf16) and, where out is not
+   NULL, the values the pool now holds into out [n] as float32 */
+static inline void store_row(void *pool, int64_t at, const float *x, int64_t n, int64_t bf16, float *out) {
+    if (bf16) {
+        uint16_t *p = (uint16_t *)pool + at;
+        for (int64_t i = 0; i < n; i++) p[i] = f32_to_bf16(x[i]);
+        if (out) for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(p[i]);
+    } else {
+        memcpy((float *)pool + at, x, sizeof(float) * n);
+        if (out) memcpy(out, x, sizeof(float) * n);
+    }
+}
+
 /* qkv [T, (H + 2 KVH) * D] bf16 (+ bias [(H + 2 KVH) * D] float32 or NULL); cos, sin [T, R]
    (R rotary dims, the first R of each head; cos/sin repeat their halves). q and k heads rotated
    (x * cos + rotate_half(x) * sin); q -> q_out [T, H, D]; k, v -> the pool at slots[t]
-   (k_cache, v_cache [slots, KVH, D]) and, where k_out is not NULL, k_out/v_out [T, KVH, D]. */
+   (k_cache, v_cache [slots, KVH, D], float32, or bfloat16 where kv_bf16) and, where k_out is
+   not NULL, k_out/v_out [T, KVH, D]: the K/V as the pool holds them, in float32. */
 void rope_store(const uint16_t *qkv, const float *bias, const float *cos_t, const float *sin_t,
-                const int64_t *slots, float *k_cache, float *v_cache, float *q_out, float *k_out,
-                float *v_out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R) {
+                const int64_t *slots, void *k_cache, void *v_cache, float *q_out, float *k_out,
+                float *v_out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R, int64_t kv_bf16) {
     const int64_t width = (H + 2 * KVH) * D, half = R / 2;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -105,12 +119,8 @@ void rope_store(const uint16_t *qkv, const float *bias, const float *cos_t, cons
         }
         memcpy(q_out + t * H * D, row, sizeof(float) * H * D);
         const int64_t kv = KVH * D;
-        memcpy(k_cache + slots[t] * kv, row + H * D, sizeof(float) * kv);
-        memcpy(v_cache + slots[t] * kv, row + (H + KVH) * D, sizeof(float) * kv);
-        if (k_out) {
-            memcpy(k_out + t * kv, row + H * D, sizeof(float) * kv);
-            memcpy(v_out + t * kv, row + (H + KVH) * D, sizeof(float) * kv);
-        }
+        store_row(k_cache, slots[t] * kv, row + H * D, kv, kv_bf16, k_out ? k_out + t * kv : 0);
+        store_row(v_cache, slots[t] * kv, row + (H + KVH) * D, kv, kv_bf16, v_out ? v_out + t * kv : 0);
     }
 }
 """
@@ -130,7 +140,7 @@ def load() -> Optional[ctypes.CDLL]:
         if lib is not None:
             lib.add_rms_norm.argtypes = [_P] * 4 + [_I, _I, ctypes.c_float]
             lib.silu_mul.argtypes = [_P, _P, _I, _I]
-            lib.rope_store.argtypes = [_P] * 10 + [_I] * 5
+            lib.rope_store.argtypes = [_P] * 10 + [_I] * 6
             for fn in (lib.add_rms_norm, lib.silu_mul, lib.rope_store):
                 fn.restype = None
         _lib, _loaded = lib, True
@@ -164,14 +174,16 @@ def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tenso
                slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
                with_kv: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """`qkv` `[T, (H + 2 KVH) * D]` bfloat16 (+ `bias`) -> q `[T, H, D]` float32, rotated; k
-    (rotated) and v written into the pools `[blocks, block_size, KVH, D]` at `slots` `[T]`
-    (int64), and returned `[T, KVH, D]` float32 when `with_kv` (else None). `cos`/`sin`: the
+    (rotated) and v written into the pools `[blocks, block_size, KVH, D]` (float32 or bfloat16) at
+    `slots` `[T]` (int64), and returned `[T, KVH, D]` float32 as the pool holds them when
+    `with_kv` (else None). `cos`/`sin`: the
     rows' RoPE tables `[T, ..., R]` float32, R <= D rotary dims."""
     kv_heads, dim = k_cache.shape[-2:]
     rows = qkv.shape[0]
     rotary = cos.shape[-1]
     assert qkv.dtype == torch.bfloat16 and qkv.is_contiguous() and qkv.shape[1] == (num_heads + 2 * kv_heads) * dim
-    assert k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
     assert slots.dtype == torch.int64 and cos.dtype == sin.dtype == torch.float32 and rotary % 2 == 0
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     cos, sin, slots = cos.reshape(rows, rotary).contiguous(), sin.reshape(rows, rotary).contiguous(), slots.contiguous()
@@ -180,5 +192,5 @@ def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tenso
     v = torch.empty(rows, kv_heads, dim) if with_kv else None
     load().rope_store(qkv.data_ptr(), _ptr(bias), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                       k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), _ptr(k), _ptr(v),
-                      rows, num_heads, kv_heads, dim, rotary)
+                      rows, num_heads, kv_heads, dim, rotary, int(k_cache.dtype == torch.bfloat16))
     return q, k, v

@@ -2,18 +2,26 @@
 
 The torch path (engine/attention/torch_paged.py) has to gather every sequence's K/V out of the
 pool (index_select) before attending; on the benchmark workload that copy plus the attention calls
-were ~40% of a float32 decode step. This kernel walks each query row's block table instead:
-one pass over the row's positions computes the scores of the query heads of one KV head, a
-second accumulates V with the softmax weights. Rows are independent (OpenMP over rows x KV
-heads); a query row attends to positions 0..lens-1 of its sequence (its own K/V are stored
+were ~40% of a float32 decode step. This kernel walks each query row's block table instead. One
+work item is one row with all its heads (OpenMP over rows): a pass over the row's blocks computes
+every head's scores (on AVX-512, 16 positions at a time, one transposing reduction for the 16
+dot products), one exp pass per head, a second pass over the blocks accumulates V in registers.
+Each block's K and V are read front to back (all KV heads of a position are one contiguous run).
+A row's result depends on that row alone, so a lone request and the same request in a batch get
+the same bits. A query row attends to positions 0..lens-1 of its sequence (its own K/V are stored
 before the call). CpuKernelAttention (engine/attention/cpu_kernel_backend.py) sends it decode
 rows only.
 
-Built on first use per (query heads per KV head, head dim) with the system C compiler
-(`cc -O3 -march=native -fopenmp`, the two as constants so the inner loops unroll) through
-kernels/c_library.py (cached on disk by source hash, called through ctypes). Where there is no
-compiler or the build fails, `load()` returns None once and the backend selection keeps the
-torch path: nothing requires it. Float32 only (the CPU dtype where it matters); NIGHTSHIFT_CPU_ATTENTION=0 turns it off.
+At 256 rows of ~300 positions the kernel is bound by reading the rows' own K/V from memory (the
+shared prefix stays in cache): a pool of bfloat16 K/V (what the fused bf16 layers use,
+models/fused_cpu_layer.py) halves that; the arithmetic stays float32 either way.
+
+Built on first use per (query heads per KV head, head dim, pool dtype) with the system C compiler
+(`cc -O3 -march=native -fopenmp`, the first two as constants so the inner loops unroll) through
+kernels/c_library.py (cached on disk by source hash, called through ctypes). CPUs without AVX-512
+(or head dims not a multiple of 16) run the same loops in plain C. Where there is no compiler or
+the build fails, `load()` returns None once and the backend selection keeps the torch path:
+nothing requires it. Queries float32; NIGHTSHIFT_CPU_ATTENTION=0 turns it off.
 """
 from __future__ import annotations
 
@@ -36,11 +44,24 @@ SOURCE = r"""
 #endif
 
 /* GQ (query heads per KV head) and HD (head dim) are compile-time constants (-D), so the
-   loops over them unroll and one (row, KV head)'s accumulators stay in registers. */
+   loops over them unroll and one (row, KV head)'s accumulators stay in registers. KV_BF16: the
+   pool holds bfloat16 K/V (widened to float32 as they are read; the arithmetic is float32). */
+#ifdef KV_BF16
+typedef uint16_t kv_t;
+static inline float kv_f32(kv_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+#else
+typedef float kv_t;
+static inline float kv_f32(kv_t x) { return x; }
+#endif
 
 #if defined(__AVX512F__) && HD % 16 == 0 && !defined(PORTABLE)
 #define VEC 1
 #define NV (HD / 16)
+#ifdef KV_BF16
+#define LOAD_KV(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#else
+#define LOAD_KV(p) _mm512_loadu_ps(p)
+#endif
 /* v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes (a transposing reduction:
    45 shuffles and adds for 16 sums instead of 16 separate horizontal sums) */
 static inline __m512 sum16(__m512 v[16]) {
@@ -64,7 +85,7 @@ static inline __m512 sum16(__m512 v[16]) {
    front to back: every KV head's slice of a position is one contiguous run), one exp pass per
    head, then V the same way. A row's result depends on that row alone (the same arithmetic
    whatever rows share the call). */
-void paged_attention_f32(const float *q, const float *k_cache, const float *v_cache,
+void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *tables, int64_t tw, const int32_t *lens, float *out,
                          int64_t n, int64_t KVH, int64_t bs, float scale) {
     const int64_t H = KVH * GQ, row = KVH * HD;
@@ -83,7 +104,7 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
             for (int64_t b = 0; b < nb; b++) {
                 const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
                 for (int64_t h = 0; h < KVH; h++) {
-                    const float *kb = k_cache + (int64_t)tab[b] * bs * row + h * HD;
+                    const kv_t *kb = k_cache + (int64_t)tab[b] * bs * row + h * HD;
 #ifdef VEC
                     for (int64_t j0 = 0; j0 < cnt; j0 += 16) {
                         const int64_t c = cnt - j0 < 16 ? cnt - j0 : 16;
@@ -92,10 +113,10 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
                             __m512 part[16];
                             for (int j = 0; j < 16; j++) {
                                 if (j < c) {
-                                    const float *kp = kb + (j0 + j) * row;
-                                    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(kp));
+                                    const kv_t *kp = kb + (j0 + j) * row;
+                                    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), LOAD_KV(kp));
                                     for (int v = 1; v < NV; v++)
-                                        s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), _mm512_loadu_ps(kp + 16 * v), s);
+                                        s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), LOAD_KV(kp + 16 * v), s);
                                     part[j] = s;
                                 } else {
                                     part[j] = _mm512_setzero_ps();
@@ -106,12 +127,12 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
                     }
 #else
                     for (int64_t j = 0; j < cnt; j++) {
-                        const float *kp = kb + j * row;
+                        const kv_t *kp = kb + j * row;
                         for (int g = 0; g < GQ; g++) {
                             const float *qg = qs + (h * GQ + g) * HD;
                             float dot = 0.f;
                             #pragma omp simd reduction(+:dot)
-                            for (int d = 0; d < HD; d++) dot += qg[d] * kp[d];
+                            for (int d = 0; d < HD; d++) dot += qg[d] * kv_f32(kp[d]);
                             scores[(h * GQ + g) * stride + t0 + j] = dot;
                         }
                     }
@@ -131,15 +152,15 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
             for (int64_t b = 0; b < nb; b++) {
                 const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
                 for (int64_t h = 0; h < KVH; h++) {
-                    const float *vb = v_cache + (int64_t)tab[b] * bs * row + h * HD;
+                    const kv_t *vb = v_cache + (int64_t)tab[b] * bs * row + h * HD;
 #ifdef VEC
                     __m512 av[GQ][NV];
                     for (int g = 0; g < GQ; g++)
                         for (int v = 0; v < NV; v++) av[g][v] = _mm512_loadu_ps(acc + (h * GQ + g) * HD + 16 * v);
                     for (int64_t j = 0; j < cnt; j++) {
-                        const float *vp = vb + j * row;
+                        const kv_t *vp = vb + j * row;
                         __m512 vv[NV];
-                        for (int v = 0; v < NV; v++) vv[v] = _mm512_loadu_ps(vp + 16 * v);
+                        for (int v = 0; v < NV; v++) vv[v] = LOAD_KV(vp + 16 * v);
                         for (int g = 0; g < GQ; g++) {
                             const __m512 p = _mm512_set1_ps(scores[(h * GQ + g) * stride + t0 + j]);
                             for (int v = 0; v < NV; v++) av[g][v] = _mm512_fmadd_ps(p, vv[v], av[g][v]);
@@ -149,12 +170,12 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
                         for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + (h * GQ + g) * HD + 16 * v, av[g][v]);
 #else
                     for (int64_t j = 0; j < cnt; j++) {
-                        const float *vp = vb + j * row;
+                        const kv_t *vp = vb + j * row;
                         for (int g = 0; g < GQ; g++) {
                             float *ag = acc + (h * GQ + g) * HD;
                             const float p = scores[(h * GQ + g) * stride + t0 + j];
                             #pragma omp simd
-                            for (int d = 0; d < HD; d++) ag[d] += p * vp[d];
+                            for (int d = 0; d < HD; d++) ag[d] += p * kv_f32(vp[d]);
                         }
                     }
 #endif
@@ -170,18 +191,23 @@ void paged_attention_f32(const float *q, const float *k_cache, const float *v_ca
     }
 }
 """
-MAX_GROUP, MAX_HEAD_DIM = 16, 256      # qs/acc live on the stack: GQ * HD floats each
+MAX_GROUP, MAX_HEAD_DIM = 16, 256      # one row's GQ x HD accumulators are registers (spilled beyond)
 FLAGS = [*OPTIMIZE, "-ffast-math"]
+KV_DTYPES = (torch.float32, torch.bfloat16)     # what the pool may hold
 
 _lock = threading.Lock()
-_libs: dict[tuple[int, int, bool], Optional[ctypes.CDLL]] = {}
+_libs: dict[tuple, Optional[ctypes.CDLL]] = {}
 
 
-def load(group: int = 3, head_dim: int = 64, portable: bool = False) -> Optional[ctypes.CDLL]:
-    """The kernel library for `group` query heads per KV head and `head_dim`, built on first
-    use; None if unavailable (no compiler, build failed) or disabled. `portable`: the plain C
-    loops only (what a CPU without AVX-512 runs; the tests check both builds on AVX-512)."""
-    shape = (group, head_dim, portable)
+def load(group: int = 3, head_dim: int = 64, portable: bool = False,
+         kv_dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
+    """The kernel library for `group` query heads per KV head, `head_dim` and a pool of
+    `kv_dtype` K/V, built on first use; None if unavailable (no compiler, build failed) or
+    disabled. `portable`: the plain C loops only (what a CPU without AVX-512 runs; the tests
+    check both builds on AVX-512)."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"the CPU attention kernel reads float32 or bfloat16 K/V, not {kv_dtype}")
+    shape = (group, head_dim, portable, kv_dtype)
     if shape in _libs:
         return _libs[shape]
     with _lock:
@@ -190,8 +216,9 @@ def load(group: int = 3, head_dim: int = 64, portable: bool = False) -> Optional
         _libs[shape] = None
         if os.environ.get("NIGHTSHIFT_CPU_ATTENTION", "1") == "0":
             return None
-        lib = load_library(f"paged_attention-g{group}-d{head_dim}", SOURCE,
-                           [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}", *(["-DPORTABLE"] if portable else [])])
+        flags = [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}"]
+        flags += (["-DPORTABLE"] if portable else []) + (["-DKV_BF16"] if kv_dtype == torch.bfloat16 else [])
+        lib = load_library(f"paged_attention-g{group}-d{head_dim}", SOURCE, flags)
         if lib is not None:
             fn = lib.paged_attention_f32
             fn.restype = None
@@ -210,10 +237,12 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                     lens: torch.Tensor, scale: float, portable: bool = False) -> torch.Tensor:
-    """q `[n, H, D]` float32 -> `[n, H, D]`; tables `[n, w]` int32 block ids, lens `[n]` int32."""
+    """q `[n, H, D]` float32 -> `[n, H, D]`; tables `[n, w]` int32 block ids, lens `[n]` int32;
+    the pool's K/V float32 or bfloat16."""
     n, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    lib = load(heads // kv_heads, dim, portable)
+    assert k_cache.dtype == v_cache.dtype
+    lib = load(heads // kv_heads, dim, portable, k_cache.dtype)
     q = q.contiguous()
     out = torch.empty_like(q)
     if n == 0:

@@ -13,6 +13,10 @@ answers up to float32 summation order; per layer:
     h = add_rms_norm(x += o_proj(a))
     x += down_proj(silu_mul(gate_up_proj(h)))
 
+The runner's K/V pool holds bfloat16 under these layers (``LlamaForCausalLM.kv_dtype``): K and
+V are rounded once as they are stored, as a bfloat16 model's are, and decode attention, which on
+CPU is bound by reading the pool, reads half the bytes.
+
 It runs where every piece fits (``build``): a float32 model on CPU whose projections hold bf16
 weights (engine/layers/cpu_math.py chose or was told bf16), the plain Llama layer (RMSNorm, SiLU,
 no q/k norms, no sliding window or soft-capping; a q/k/v bias is fine, as Qwen2 has), the C

@@ -255,6 +255,13 @@ class LlamaForCausalLM(nn.Module):
         # (models/fused_cpu_layer.py); None: the torch layers always
         self.fused_layers = fused_cpu_layer.build(self)
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """What the runner's K/V pool holds: bfloat16 under the fused bf16 CPU layers (their kernels
+        write and read it; decode attention on CPU is bound by reading the pool, and this halves it),
+        else the model's dtype."""
+        return torch.bfloat16 if self.fused_layers is not None else self.dtype
+
     def rotary_embeddings(self, config: ModelConfig, checkpoint) -> nn.ModuleDict:
         """The RoPE tables by name: "global", and "local" where sliding layers have their own base."""
         tables = {"global": RotaryEmbedding(config, checkpoint.tensor("rope_freqs"))}
