@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-python -m pytest -q "$@"
+python -m pytest -q --durations=25 "$@"   # the slowest cases listed: keep the suite short
