@@ -62,5 +62,8 @@ def test_every_day_of_the_window_with_empty_days_at_zero():
 
 
 def test_formatting():
+    from nightshift.jobs.costs.formatting import money
+    assert [money(v) for v in (None, 0.000089, -0.000026, 12.5, -3.25)] == \
+        ["-", "$0.000089", "-$0.000026", "$12.5000", "-$3.2500"]
     assert [duration(s) for s in (None, 0, 59.6, 61, 3600 * 2 + 300)] == ["-", "0s", "1m 00s", "1m 01s", "2h 05m"]
     assert when(0) == "1970-01-01 00:00:00 UTC" and when(None) == "-"

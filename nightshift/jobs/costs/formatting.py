@@ -9,10 +9,12 @@ DEVICE_COLUMNS = ("Device", "Requests", "Engine s", "$ / hour", "Cost")
 
 
 def money(value: Optional[float]) -> str:
-    """Dollars; sub-cent amounts keep six decimals, since per-request costs are that small."""
+    """Dollars; sub-cent amounts keep six decimals, since per-request costs are that small; a
+    negative amount (savings when the engine cost more than the online list price) as -$x."""
     if value is None:
         return MISSING
-    return f"${value:,.6f}" if abs(value) < 0.01 else f"${value:,.4f}"
+    sign = "-" if value < 0 else ""
+    return f"{sign}${abs(value):,.6f}" if abs(value) < 0.01 else f"{sign}${abs(value):,.4f}"
 
 
 def number(value: Union[int, float, None]) -> str:
