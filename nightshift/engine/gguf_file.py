@@ -4,6 +4,11 @@ llama.cpp's converter permutes the rows of attn_q / attn_k of Llama-architecture
 RoPE can rotate adjacent pairs); `unpermute_qk_rows` restores the Hugging Face row order. Rows
 are independent in every GGUF quantization format (blocks run along a row), so the same row
 permutation applies to the raw quantized bytes, which the INT4 path imports without re-quantizing.
+
+Each GGUF architecture's tensor names are declared in LAYER_NAMES (the same llama.cpp name can be
+another HF tensor: Gemma's ffn_norm is its pre-feedforward norm, Phi-3's ffn_up its fused gate|up).
+Gemma's norm weights, stored as 1 + w, are given back as w; Phi-3's LongRoPE factor tensors are
+config values (CONFIG_TENSORS), read by ModelConfig.from_gguf_metadata, not weights.
 """
 from __future__ import annotations
 
@@ -15,41 +20,77 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
+# llama.cpp's tensor names -> Hugging Face names, per GGUF architecture (blk.N.<key> -> model.layers.N.<value>)
+_PROJECTIONS = {
     "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",     # Qwen3's per-head q/k RMSNorms
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+_LLAMA_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    **_PROJECTIONS,
+    "attn_q.bias": "self_attn.q_proj.bias",          # Qwen2's q/k/v biases
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+_QK_NORMS = {"attn_q_norm.weight": "self_attn.q_norm.weight",      # per-head q/k RMSNorms (Qwen3, Gemma 3)
+             "attn_k_norm.weight": "self_attn.k_norm.weight"}
+# Gemma's sandwich norms: ffn_norm is the pre-feedforward norm, post_attention_norm / post_ffw_norm
+# norm the attention and MLP outputs
+_GEMMA_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    **_PROJECTIONS,
+}
+# Phi-3 keeps its fused checkpoint tensors: attn_qkv (q|k|v rows) and ffn_up (gate|up rows)
+_PHI3_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_up.weight": "mlp.gate_up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+LAYER_NAMES = {"llama": _LLAMA_LAYER, "qwen2": _LLAMA_LAYER, "mistral": _LLAMA_LAYER,
+               "qwen3": {**_LLAMA_LAYER, **_QK_NORMS},
+               "gemma2": _GEMMA_LAYER, "gemma3": {**_GEMMA_LAYER, **_QK_NORMS},
+               "phi3": _PHI3_LAYER}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
     "rope_freqs.weight": "rope_freqs",  # llama3-style per-frequency RoPE divisors
 }
+# tensors that are config values, not weights (ModelConfig.from_gguf_metadata reads them): Phi-3's LongRoPE factors
+CONFIG_TENSORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
+# llama.cpp's converter writes Gemma's RMSNorm weights as 1 + w (its norm multiplies by the weight);
+# our GemmaRMSNorm computes x * (1 + w), as transformers does, so the 1 is taken back off
+NORMS_PLUS_ONE = ("gemma2", "gemma3")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Float types that need no block handling; every other type is a quantized block format.
 FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face parameter name of a GGUF tensor name; ValueError for unknown tensors."""
+def hf_name(gguf_name: str, architecture: str = "llama") -> str:
+    """The Hugging Face parameter name of a GGUF tensor name in llama.cpp's layout of `architecture`;
+    ValueError for unknown tensors (a mixture of experts' ffn_*_exps among them)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    if architecture not in LAYER_NAMES:
+        raise ValueError(f"unsupported GGUF architecture {architecture!r}; supported: {', '.join(LAYER_NAMES)}")
     match = _BLOCK_RE.match(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Llama-family mapping (llama, qwen2, mistral, qwen3)")
+    layer_names = LAYER_NAMES[architecture]
+    if match and match.group(2) in layer_names:
+        return f"model.layers.{match.group(1)}.{layer_names[match.group(2)]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known Llama-family mapping in llama.cpp's "
+                     f"{architecture!r} layout (GGUF architectures: {', '.join(LAYER_NAMES)})")
 
 
 def unpermute_qk_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
@@ -92,17 +133,27 @@ class GGUFFile:
     def tensor_names(self) -> list[str]:
         return [t.name for t in self.reader.tensors]
 
+    def config_tensors(self) -> dict[str, list[float]]:
+        """The CONFIG_TENSORS the file has, as lists of floats under their config keys."""
+        return {CONFIG_TENSORS[t.name]: [float(x) for x in np.asarray(t.data, dtype=np.float32).reshape(-1)]
+                for t in self.reader.tensors if t.name in CONFIG_TENSORS}
+
     def tensors(self) -> Iterator[GGUFTensor]:
+        """The weights under their HF names (CONFIG_TENSORS left out)."""
         heads = self.metadata.get(f"{self.architecture}.attention.head_count")
         kv_heads = self.metadata.get(f"{self.architecture}.attention.head_count_kv", heads)
         # convert_hf_to_gguf.py permutes Q/K only for its LlamaModel (llama, mistral files say "llama")
         permuted = self.architecture == "llama"
         for tensor in self.reader.tensors:
-            name = hf_name(tensor.name)
+            if tensor.name in CONFIG_TENSORS:
+                continue
+            name = hf_name(tensor.name, self.architecture)
             shape = tuple(int(x) for x in reversed(tensor.shape))  # GGUF lists the innermost dim first
-            raw = tensor.data
+            qtype, raw = GGMLQuantizationType(tensor.tensor_type), tensor.data
             if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
                 raw = unpermute_qk_rows(raw, heads)
             elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
                 raw = unpermute_qk_rows(raw, kv_heads)
-            yield GGUFTensor(name, GGMLQuantizationType(tensor.tensor_type), shape, raw)
+            elif self.architecture in NORMS_PLUS_ONE and tensor.name.endswith("norm.weight"):
+                qtype, raw = GGMLQuantizationType.F32, GGUFTensor(name, qtype, shape, raw).dequantize() - 1.0
+            yield GGUFTensor(name, qtype, shape, raw)

@@ -68,7 +68,7 @@ def convert_gguf(path: str, entry: Path) -> None:
     gguf = GGUFFile(path)
     names = {t for t in gguf.tensor_names()}
     config = ModelConfig.from_gguf_metadata(gguf.metadata, has_output_weight="output.weight" in names,
-                                            name=model_name(path))
+                                            name=model_name(path), config_tensors=gguf.config_tensors())
     tensors: dict[str, torch.Tensor] = {}
     gguf_types: dict[str, int] = {}
     for t in gguf.tensors():

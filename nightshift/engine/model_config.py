@@ -14,7 +14,7 @@ MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 # refused by name rather than as an unknown architecture
 UNSUPPORTED_MOE_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "qwen3_next", "phimoe", "granitemoe",
                                  "jamba", "dbrx", "llama4_text", "gpt_oss")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3")   # llama.cpp's names
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -198,9 +198,11 @@ class ModelConfig:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any], has_output_weight: bool, name: str = "") -> "ModelConfig":
+    def from_gguf_metadata(cls, meta: dict[str, Any], has_output_weight: bool, name: str = "",
+                           config_tensors: Optional[dict[str, list[float]]] = None) -> "ModelConfig":
         """From GGUF key/values (llama.cpp names). `has_output_weight`: the file has an `output.weight`
-        tensor; without one the lm_head is tied to the token embedding."""
+        tensor; without one the lm_head is tied to the token embedding. `config_tensors`: the
+        file's tensors that are config values (gguf_file.CONFIG_TENSORS: Phi-3's LongRoPE factors)."""
         arch = meta.get("general.architecture")
         if arch not in GGUF_ARCHITECTURES:
             raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}")
@@ -213,19 +215,38 @@ class ModelConfig:
                 raise ValueError(f"GGUF metadata is missing {full!r}")
             return default
 
+        for suffix in _REFUSED_GGUF_KEYS:
+            if f"{arch}.{suffix}" in meta:
+                raise ValueError(f"GGUF metadata {arch}.{suffix}={meta[f'{arch}.{suffix}']!r} is not supported")
         hidden = int(key("embedding_length"))
         heads = int(key("attention.head_count"))
+        if arch == "phi3":     # partial rotary: rope.dimension_count is the rotated part of each head
+            head_dim = int(key("attention.key_length", hidden // heads))
+        else:
+            head_dim = int(key("attention.key_length", key("rope.dimension_count", hidden // heads)))
+        rotary_dim = int(key("rope.dimension_count", head_dim))
+        if rotary_dim != head_dim and arch != "phi3":
+            raise ValueError(f"GGUF metadata {arch}.rope.dimension_count={rotary_dim} differs from the head "
+                             f"dimension {head_dim}: partial rotary is supported for phi3 only")
+        if int(key("attention.value_length", head_dim)) != head_dim:
+            raise ValueError(f"GGUF metadata {arch}.attention.value_length={key('attention.value_length')} "
+                             f"differs from the key length {head_dim}")
         vocab = key("vocab_size", None)
         if vocab is None:
             vocab = len(meta["tokenizer.ggml.tokens"])
         eos = meta.get("tokenizer.ggml.eos_token_id")
+        layers = int(key("block_count"))
+        config_tensors = config_tensors or {}
+        if config_tensors and arch != "phi3":
+            raise ValueError(f"GGUF tensors {', '.join(config_tensors)} (LongRoPE factors) are supported "
+                             f"for phi3 only, not {arch!r}")
         return cls(
-            architecture=arch,
+            architecture=_GGUF_TO_HF_ARCHITECTURE.get(arch, arch),
             hidden_size=hidden,
-            num_layers=int(key("block_count")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=int(key("attention.head_count_kv", heads)),
-            head_dim=int(key("attention.key_length", key("rope.dimension_count", hidden // heads))),
+            head_dim=head_dim,
             intermediate_size=int(key("feed_forward_length")),
             vocab_size=int(vocab),
             rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -233,11 +254,14 @@ class ModelConfig:
             max_position_embeddings=int(key("context_length", 2048)),
             tie_word_embeddings=not has_output_weight,
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",             # Qwen3: attn_q_norm / attn_k_norm per head
-            rope_scaling=_gguf_rope_scaling(meta, arch),
+            qk_norm=arch in ("qwen3", "gemma3"),      # attn_q_norm / attn_k_norm per head
+            rope_scaling=_gguf_rope_scaling(meta, arch, config_tensors),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[] if eos is None else [int(eos)],
             name=name,
+            partial_rotary_factor=rotary_dim / head_dim,
+            **_gguf_window_fields(key, arch, layers),
+            **(_gguf_gemma_fields(key, arch, layers, hidden, heads, head_dim) if arch in ("gemma2", "gemma3") else {}),
         )
 
 
@@ -247,14 +271,75 @@ def rope_scaling_type(rope_scaling: Optional[dict[str, Any]]) -> Optional[str]:
     return rope_scaling.get("rope_type") or rope_scaling.get("type")
 
 
-def _gguf_rope_scaling(meta: dict[str, Any], arch: str) -> Optional[dict[str, Any]]:
+_GGUF_TO_HF_ARCHITECTURE = {"gemma3": "gemma3_text"}
+# GGUF keys (after "<arch>.") that change the model in ways the engine does not implement: refused when present
+_REFUSED_GGUF_KEYS = ("attention.scale", "attention.key_length_swa", "attention.value_length_swa",
+                      "rope.dimension_count_swa", "rope.scaling.yarn_log_multiplier", "embedding_scale",
+                      "residual_scale", "logit_scale", "expert_count", "attention.shared_kv_layers")
+# llama.cpp's Gemma attention scale: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 27B models,
+# which it knows by their layer count (the file has no query_pre_attn_scalar)
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gguf_rope_scaling(meta: dict[str, Any], arch: str, config_tensors: dict[str, list[float]]
+                       ) -> Optional[dict[str, Any]]:
     kind = meta.get(f"{arch}.rope.scaling.type")
+    if config_tensors:     # Phi-3's LongRoPE: short/long per-frequency factors as tensors
+        if kind not in (None, "none", "longrope", "su"):
+            raise ValueError(f"GGUF rope scaling type {kind!r} beside the LongRoPE factor tensors")
+        missing = [k for k in ("short_factor", "long_factor") if k not in config_tensors]
+        if missing:
+            raise ValueError(f"GGUF LongRoPE without its rope_factors_{missing[0].split('_')[0]}.weight tensor")
+        original = meta.get(f"{arch}.rope.scaling.original_context_length")
+        if original is None:
+            raise ValueError(f"GGUF LongRoPE factors without {arch}.rope.scaling.original_context_length")
+        attn_factor = meta.get(f"{arch}.rope.scaling.attn_factor")
+        return {"rope_type": "longrope", "short_factor": config_tensors["short_factor"],
+                "long_factor": config_tensors["long_factor"], "original_max_position_embeddings": int(original),
+                "attention_factor": None if attn_factor is None else float(attn_factor)}
+    if float(meta.get(f"{arch}.rope.scaling.attn_factor", 1.0)) != 1.0:
+        raise ValueError(f"GGUF metadata {arch}.rope.scaling.attn_factor={meta[f'{arch}.rope.scaling.attn_factor']} "
+                         f"is supported only with LongRoPE factor tensors")
     if kind in (None, "none"):
         return None
     factor = float(meta.get(f"{arch}.rope.scaling.factor", 1.0))
     if kind == "linear":
         return {"rope_type": "linear", "factor": factor}
     raise ValueError(f"unsupported GGUF rope scaling type {kind!r}")
+
+
+def _gguf_window_fields(key, arch: str, layers: int) -> dict[str, Any]:
+    """sliding_window and layer_types as llama.cpp applies `<arch>.attention.sliding_window`: every
+    layer (phi3), Gemma 2's even layers, Gemma 3's all but every sliding_window_pattern-th. (The
+    Llama-family files' windows are not read, as before Gemma and Phi-3 loaded from GGUF.)"""
+    window = int(key("attention.sliding_window", 0) or 0)
+    if not window or arch not in ("gemma2", "gemma3", "phi3"):
+        return {}
+    if arch == "phi3":
+        types = [True] * layers
+    elif arch == "gemma2":
+        types = [i % 2 == 0 for i in range(layers)]
+    elif arch == "gemma3":
+        pattern = key("attention.sliding_window_pattern", 6)
+        types = [bool(x) for x in pattern] if isinstance(pattern, list) else \
+            [(i + 1) % int(pattern) != 0 for i in range(layers)]
+    else:
+        raise ValueError(f"GGUF metadata {arch}.attention.sliding_window={window} is not supported for {arch!r}")
+    if len(types) != layers:
+        raise ValueError(f"GGUF metadata {arch}.attention.sliding_window_pattern has {len(types)} layers, not {layers}")
+    if not any(types):
+        return {}
+    return {"sliding_window": window,
+            "layer_types": ["sliding_attention" if t else "full_attention" for t in types]}
+
+
+def _gguf_gemma_fields(key, arch: str, layers: int, hidden: int, heads: int, head_dim: int) -> dict[str, Any]:
+    """Gemma 2 / 3's soft-caps, attention scale and (Gemma 3) the sliding layers' RoPE base."""
+    caps = {f: (float(key(f)) if key(f, None) else None)
+            for f in ("attn_logit_softcapping", "final_logit_softcapping")}
+    scalar = hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim
+    local = float(key("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None   # llama.cpp's default
+    return {**caps, "query_pre_attn_scalar": float(scalar), "rope_local_base_freq": local}
 
 
 # ---- the newer architectures (config.json of transformers 4.x or 5.x) ------------------------

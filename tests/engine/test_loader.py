@@ -185,6 +185,11 @@ def test_gguf_rope_freqs_divisors_reproduce_llama3_scaling():
     assert hf_name("blk.3.attn_k.weight") == "model.layers.3.self_attn.k_proj.weight"
     with pytest.raises(ValueError, match="no known Llama-family mapping"):
         hf_name("blk.0.ffn_gate_exps.weight")
+    # the same llama.cpp name means another HF tensor in Gemma's and Phi-3's layouts
+    assert hf_name("blk.1.ffn_norm.weight", "gemma2") == "model.layers.1.pre_feedforward_layernorm.weight"
+    assert hf_name("blk.1.ffn_up.weight", "phi3") == "model.layers.1.mlp.gate_up_proj.weight"
+    with pytest.raises(ValueError, match="no known Llama-family mapping in llama.cpp's 'gemma2' layout"):
+        hf_name("blk.0.attn_q_norm.weight", "gemma2")
 
 
 def test_gguf_metadata_config_errors():
@@ -194,8 +199,13 @@ def test_gguf_metadata_config_errors():
     assert cfg.head_dim == 16 and cfg.num_kv_heads == 4 and not cfg.tie_word_embeddings
     with pytest.raises(ValueError, match="missing 'llama.block_count'"):
         ModelConfig.from_gguf_metadata({k: v for k, v in meta.items() if k != "llama.block_count"}, True)
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'phi3'"):
-        ModelConfig.from_gguf_metadata({**meta, "general.architecture": "phi3"}, True)
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen3moe'"):   # MoE files: refused by name
+        ModelConfig.from_gguf_metadata({**meta, "general.architecture": "qwen3moe"}, True)
+    with pytest.raises(ValueError, match="llama.attention.scale"):
+        ModelConfig.from_gguf_metadata({**meta, "llama.attention.scale": 0.1}, True)
+    with pytest.raises(ValueError, match="llama.rope.dimension_count=8 differs"):   # partial rotary: phi3 only
+        ModelConfig.from_gguf_metadata({**meta, "llama.attention.key_length": 16,
+                                        "llama.rope.dimension_count": 8}, True)
     linear = ModelConfig.from_gguf_metadata({**meta, "llama.rope.scaling.type": "linear",
                                              "llama.rope.scaling.factor": 4.0}, True)
     assert linear.rope_scaling == {"rope_type": "linear", "factor": 4.0}
