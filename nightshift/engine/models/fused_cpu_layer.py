@@ -26,10 +26,9 @@ Anything else keeps the torch layer. ``NIGHTSHIFT_CPU_FUSED_OPS=0`` turns it off
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 
 from nightshift.engine.kernels import cpu_fused_ops
 from nightshift.engine.layers.cpu_math import Bf16Weight
@@ -73,15 +72,10 @@ class FusedCpuLayer:
         return x.add_(self.down.linear_bf16(cpu_fused_ops.silu_mul(self.gate_up.linear_bf16(h))))
 
 
-def _fused(layer) -> Optional[FusedCpuLayer]:
-    from nightshift.engine.models.llama import MLP, Attention, DecoderLayer, RMSNorm
-    if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
+def _fused(layer, plain: Callable[[object], bool]) -> Optional[FusedCpuLayer]:
+    if not plain(layer):
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    if type(layer.input_layernorm) is not RMSNorm or type(layer.post_attention_layernorm) is not RMSNorm:
-        return None
-    if mlp.activation is not F.silu or attn.q_norm is not None or attn.window is not None or attn.softcap is not None:
-        return None
     weights = (_bf16_weight(attn.qkv_proj, True), _bf16_weight(attn.o_proj, False),
                _bf16_weight(mlp.gate_up_proj, False), _bf16_weight(mlp.down_proj, False))
     if any(w is None for w in weights):
@@ -89,12 +83,13 @@ def _fused(layer) -> Optional[FusedCpuLayer]:
     return FusedCpuLayer(layer, *weights)
 
 
-def build(model) -> Optional[list[FusedCpuLayer]]:
+def build(model, plain: Callable[[object], bool]) -> Optional[list[FusedCpuLayer]]:
     """Every layer of `model` in fused form, or None where one does not fit (or the kernels do
-    not build, or NIGHTSHIFT_CPU_FUSED_OPS=0): the model then runs its torch layers."""
+    not build, or NIGHTSHIFT_CPU_FUSED_OPS=0): the model then runs its torch layers. `plain` says
+    whether a layer is the plain Llama layer (the model's own judgement: llama.plain_layer)."""
     if os.environ.get(ENV, "1") == "0" or model.dtype != torch.float32 or model.embed_tokens.device.type != "cpu":
         return None
-    layers = [_fused(layer) for layer in model.layers]
+    layers = [_fused(layer, plain) for layer in model.layers]
     if not layers or any(layer is None for layer in layers) or cpu_fused_ops.load() is None:
         return None
     return layers

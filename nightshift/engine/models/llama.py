@@ -204,6 +204,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def plain_layer(layer: nn.Module) -> bool:
+    """Whether `layer` is this module's own decoder layer with nothing another architecture or
+    config changes (RMSNorm, SiLU, no q/k norms, no sliding window or soft-capping): the shape
+    models/fused_cpu_layer.py runs as fused kernels."""
+    if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
+        return False
+    attn = layer.self_attn
+    return (type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+            and layer.mlp.activation is F.silu and attn.q_norm is None and attn.window is None
+            and attn.softcap is None)
+
+
 class LlamaForCausalLM(nn.Module):
     """Built from a checkpoint (see nightshift.engine.loader.Checkpoint): `checkpoint.tensor(name)` gives a
     float tensor by HF name, `checkpoint.gguf(name)` raw GGUF blocks or None. `linear` builds every
@@ -253,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
                            for i in range(config.num_layers)]
         # the same layers as fused C kernels where the CPU's bf16 math and the layer shape allow
         # (models/fused_cpu_layer.py); None: the torch layers always
-        self.fused_layers = fused_cpu_layer.build(self)
+        self.fused_layers = fused_cpu_layer.build(self, plain_layer)
 
     @property
     def kv_dtype(self) -> torch.dtype:
