@@ -8,7 +8,8 @@ permutation applies to the raw quantized bytes, which the INT4 path imports with
 Each GGUF architecture's tensor names are declared in LAYER_NAMES (the same llama.cpp name can be
 another HF tensor: Gemma's ffn_norm is its pre-feedforward norm, Phi-3's ffn_up its fused gate|up).
 Gemma's norm weights, stored as 1 + w, are given back as w; Phi-3's LongRoPE factor tensors are
-config values (CONFIG_TENSORS), read by ModelConfig.from_gguf_metadata, not weights.
+config values (CONFIG_TENSORS), read by ModelConfig.from_gguf_metadata, not weights. A mixture of
+experts' stacked expert tensors (ffn_*_exps, `[experts, out, in]`) are given back one per expert.
 """
 from __future__ import annotations
 
@@ -58,10 +59,34 @@ _PHI3_LAYER = {
     "ffn_up.weight": "mlp.gate_up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+
+
+def _experts(prefix: str, parts: tuple[str, str, str]) -> dict[str, str]:
+    """A mixture of experts' router (ffn_gate_inp) and its experts, stacked `[experts, out, in]` in
+    ffn_{gate,up,down}_exps: "{e}" in the HF name marks a stacked tensor, given back one per expert
+    as the HF checkpoints of the family (models/moe.py) name them."""
+    gate, up, down = parts
+    return {"ffn_gate_inp.weight": f"{prefix}.gate.weight",
+            "ffn_gate_exps.weight": f"{prefix}.experts.{{e}}.{gate}.weight",
+            "ffn_up_exps.weight": f"{prefix}.experts.{{e}}.{up}.weight",
+            "ffn_down_exps.weight": f"{prefix}.experts.{{e}}.{down}.weight"}
+
+
+_MLP_EXPERTS = _experts("mlp", ("gate_proj", "up_proj", "down_proj"))
+# Qwen2-MoE's shared expert and its sigmoid gate
+_SHARED_EXPERT = {"ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+                  "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                  "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                  "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"}
+# "mixtral": llama.cpp writes Mixtral as architecture "llama" with llama.expert_count (GGUFFile.layout)
 LAYER_NAMES = {"llama": _LLAMA_LAYER, "qwen2": _LLAMA_LAYER, "mistral": _LLAMA_LAYER,
                "qwen3": {**_LLAMA_LAYER, **_QK_NORMS},
                "gemma2": _GEMMA_LAYER, "gemma3": {**_GEMMA_LAYER, **_QK_NORMS},
-               "phi3": _PHI3_LAYER}
+               "phi3": _PHI3_LAYER,
+               "mixtral": {**_LLAMA_LAYER, **_experts("block_sparse_moe", ("w1", "w3", "w2"))},
+               "qwen3moe": {**_LLAMA_LAYER, **_QK_NORMS, **_MLP_EXPERTS},
+               "olmoe": {**_LLAMA_LAYER, **_QK_NORMS, **_MLP_EXPERTS},   # its q/k norms span the whole projection
+               "qwen2moe": {**_LLAMA_LAYER, **_MLP_EXPERTS, **_SHARED_EXPERT}}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -79,8 +104,8 @@ FLOAT_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGM
 
 
 def hf_name(gguf_name: str, architecture: str = "llama") -> str:
-    """The Hugging Face parameter name of a GGUF tensor name in llama.cpp's layout of `architecture`;
-    ValueError for unknown tensors (a mixture of experts' ffn_*_exps among them)."""
+    """The Hugging Face parameter name of a GGUF tensor name in llama.cpp's layout of `architecture`
+    (a LAYER_NAMES key; stacked experts' names hold "{e}"); ValueError for unknown tensors."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     if architecture not in LAYER_NAMES:
@@ -129,6 +154,9 @@ class GGUFFile:
                 continue
             self.metadata[key] = field.contents()
         self.architecture = self.metadata.get("general.architecture")
+        # the LAYER_NAMES key of the file's tensor names: Mixtral is "llama" with experts
+        self.layout = ("mixtral" if self.architecture == "llama" and self.metadata.get("llama.expert_count")
+                       else self.architecture)
 
     def tensor_names(self) -> list[str]:
         return [t.name for t in self.reader.tensors]
@@ -147,9 +175,17 @@ class GGUFFile:
         for tensor in self.reader.tensors:
             if tensor.name in CONFIG_TENSORS:
                 continue
-            name = hf_name(tensor.name, self.architecture)
+            name = hf_name(tensor.name, self.layout)
             shape = tuple(int(x) for x in reversed(tensor.shape))  # GGUF lists the innermost dim first
             qtype, raw = GGMLQuantizationType(tensor.tensor_type), tensor.data
+            if "{e}" in name:            # stacked experts: one tensor per expert (rows are whole per expert)
+                if len(shape) != 3:
+                    raise ValueError(f"GGUF tensor {tensor.name!r} has shape {shape}, not [experts, out, in]")
+                for e in range(shape[0]):
+                    yield GGUFTensor(name.format(e=e), qtype, shape[1:], raw[e])
+                continue
+            if name.endswith("shared_expert_gate.weight") and len(shape) == 1:    # as [1, hidden]
+                shape, raw = (1, shape[0]), raw.reshape(1, -1)
             if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
                 raw = unpermute_qk_rows(raw, heads)
             elif permuted and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -14,7 +14,8 @@ MOE_ARCHITECTURES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
 # refused by name rather than as an unknown architecture
 UNSUPPORTED_MOE_ARCHITECTURES = ("deepseek_v2", "deepseek_v3", "qwen3_next", "phimoe", "granitemoe",
                                  "jamba", "dbrx", "llama4_text", "gpt_oss")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3")   # llama.cpp's names
+GGUF_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "phi3",   # llama.cpp's names
+                      "qwen3moe", "olmoe", "qwen2moe")      # (and Mixtral: "llama" with llama.expert_count)
 SUPPORTED_ROPE_SCALING = (None, "default", "linear", "llama3", "longrope")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -237,11 +238,12 @@ class ModelConfig:
         eos = meta.get("tokenizer.ggml.eos_token_id")
         layers = int(key("block_count"))
         config_tensors = config_tensors or {}
+        moe = _gguf_moe_fields(key, arch)
         if config_tensors and arch != "phi3":
             raise ValueError(f"GGUF tensors {', '.join(config_tensors)} (LongRoPE factors) are supported "
                              f"for phi3 only, not {arch!r}")
         return cls(
-            architecture=_GGUF_TO_HF_ARCHITECTURE.get(arch, arch),
+            architecture="mixtral" if moe and arch == "llama" else _GGUF_TO_HF_ARCHITECTURE.get(arch, arch),
             hidden_size=hidden,
             num_layers=layers,
             num_heads=heads,
@@ -253,8 +255,8 @@ class ModelConfig:
             rope_theta=float(key("rope.freq_base", 10000.0)),
             max_position_embeddings=int(key("context_length", 2048)),
             tie_word_embeddings=not has_output_weight,
-            attention_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3"),      # attn_q_norm / attn_k_norm per head
+            attention_bias=arch in ("qwen2", "qwen2moe"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3moe", "olmoe"),    # attn_q_norm / attn_k_norm
             rope_scaling=_gguf_rope_scaling(meta, arch, config_tensors),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=[] if eos is None else [int(eos)],
@@ -262,6 +264,7 @@ class ModelConfig:
             partial_rotary_factor=rotary_dim / head_dim,
             **_gguf_window_fields(key, arch, layers),
             **(_gguf_gemma_fields(key, arch, layers, hidden, heads, head_dim) if arch in ("gemma2", "gemma3") else {}),
+            **moe,
         )
 
 
@@ -271,14 +274,57 @@ def rope_scaling_type(rope_scaling: Optional[dict[str, Any]]) -> Optional[str]:
     return rope_scaling.get("rope_type") or rope_scaling.get("type")
 
 
-_GGUF_TO_HF_ARCHITECTURE = {"gemma3": "gemma3_text"}
+_GGUF_TO_HF_ARCHITECTURE = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
 # GGUF keys (after "<arch>.") that change the model in ways the engine does not implement: refused when present
 _REFUSED_GGUF_KEYS = ("attention.scale", "attention.key_length_swa", "attention.value_length_swa",
                       "rope.dimension_count_swa", "rope.scaling.yarn_log_multiplier", "embedding_scale",
-                      "residual_scale", "logit_scale", "expert_count", "attention.shared_kv_layers")
+                      "residual_scale", "logit_scale", "attention.shared_kv_layers",
+                      "expert_group_count", "expert_group_used_count", "expert_chunk_feed_forward_length")
 # llama.cpp's Gemma attention scale: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) for the 27B models,
 # which it knows by their layer count (the file has no query_pre_attn_scalar)
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+# the mixtures of experts llama.cpp writes (architecture "llama" with experts: Mixtral), and whether it
+# renormalises the top-k router weights when the file has no expert_weights_norm (as its graphs do)
+_GGUF_MOE_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False, "qwen2moe": False}
+_GGUF_SOFTMAX_GATING = 1           # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
+
+
+def _gguf_moe_fields(key, arch: str) -> dict[str, Any]:
+    """The mixture-of-experts fields (none for a dense file): expert_count, expert_used_count, each
+    expert's width (expert_feed_forward_length, else feed_forward_length, as llama.cpp reads it),
+    Qwen2-MoE's one shared expert, OLMoE's clamp_kqv; routing other than the softmax top k is refused."""
+    experts = int(key("expert_count", 0) or 0)
+    if not experts:
+        if arch in ("qwen3moe", "olmoe", "qwen2moe"):
+            raise ValueError(f"GGUF metadata is missing '{arch}.expert_count'")
+        return {}
+    if arch not in _GGUF_MOE_NORM_TOPK:
+        raise ValueError(f"GGUF metadata {arch}.expert_count={experts}: mixtures of experts load from GGUF "
+                         f"architectures {', '.join(_GGUF_MOE_NORM_TOPK)} only")
+    gating = int(key("expert_gating_func", _GGUF_SOFTMAX_GATING))
+    if gating != _GGUF_SOFTMAX_GATING:
+        raise ValueError(f"GGUF metadata {arch}.expert_gating_func={gating} is not supported (softmax routing only)")
+    if float(key("expert_weights_scale", 1.0)) != 1.0:
+        raise ValueError(f"GGUF metadata {arch}.expert_weights_scale={key('expert_weights_scale')} is not supported")
+    fields: dict[str, Any] = {"num_experts": experts, "num_experts_per_tok": int(key("expert_used_count")),
+                              "norm_topk_prob": bool(key("expert_weights_norm", _GGUF_MOE_NORM_TOPK[arch]))}
+    if key("expert_feed_forward_length", None):
+        fields["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
+    shared = int(key("expert_shared_count", 1 if arch == "qwen2moe" else 0) or 0)
+    if shared and (arch != "qwen2moe" or shared != 1):
+        raise ValueError(f"GGUF metadata {arch}.expert_shared_count={shared} is not supported "
+                         f"(one shared expert, qwen2moe's, only)")
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = int(key("expert_shared_feed_forward_length"))
+    if arch == "olmoe":
+        fields["qk_norm_per_head"] = False
+        clamp = key("attention.clamp_kqv", None)
+        fields["clip_qkv"] = None if clamp is None else float(clamp)
+    elif key("attention.clamp_kqv", None) is not None:
+        raise ValueError(f"GGUF metadata {arch}.attention.clamp_kqv is supported for olmoe only")
+    return fields
 
 
 def _gguf_rope_scaling(meta: dict[str, Any], arch: str, config_tensors: dict[str, list[float]]

@@ -184,7 +184,9 @@ def test_gguf_rope_freqs_divisors_reproduce_llama3_scaling():
     assert hf_name("rope_freqs.weight") == "rope_freqs"
     assert hf_name("blk.3.attn_k.weight") == "model.layers.3.self_attn.k_proj.weight"
     with pytest.raises(ValueError, match="no known Llama-family mapping"):
-        hf_name("blk.0.ffn_gate_exps.weight")
+        hf_name("blk.0.ffn_gate_exps.weight")      # experts in a dense llama file
+    assert hf_name("blk.0.ffn_gate_exps.weight", "mixtral") == "model.layers.0.block_sparse_moe.experts.{e}.w1.weight"
+    assert hf_name("blk.2.ffn_gate_inp_shexp.weight", "qwen2moe") == "model.layers.2.mlp.shared_expert_gate.weight"
     # the same llama.cpp name means another HF tensor in Gemma's and Phi-3's layouts
     assert hf_name("blk.1.ffn_norm.weight", "gemma2") == "model.layers.1.pre_feedforward_layernorm.weight"
     assert hf_name("blk.1.ffn_up.weight", "phi3") == "model.layers.1.mlp.gate_up_proj.weight"
@@ -199,8 +201,14 @@ def test_gguf_metadata_config_errors():
     assert cfg.head_dim == 16 and cfg.num_kv_heads == 4 and not cfg.tie_word_embeddings
     with pytest.raises(ValueError, match="missing 'llama.block_count'"):
         ModelConfig.from_gguf_metadata({k: v for k, v in meta.items() if k != "llama.block_count"}, True)
-    with pytest.raises(ValueError, match="unsupported GGUF architecture 'qwen3moe'"):   # MoE files: refused by name
-        ModelConfig.from_gguf_metadata({**meta, "general.architecture": "qwen3moe"}, True)
+    # mixtures of experts llama.cpp writes that the engine does not run: refused by name
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'deepseek2'"):
+        ModelConfig.from_gguf_metadata({**meta, "general.architecture": "deepseek2"}, True)
+    with pytest.raises(ValueError, match="missing 'qwen3moe.expert_count'"):
+        ModelConfig.from_gguf_metadata({k.replace("llama", "qwen3moe"): v for k, v in meta.items()}
+                                       | {"general.architecture": "qwen3moe"}, True)
+    mixtral = ModelConfig.from_gguf_metadata({**meta, "llama.expert_count": 4, "llama.expert_used_count": 2}, True)
+    assert mixtral.architecture == "mixtral" and mixtral.num_experts == 4 and mixtral.norm_topk_prob
     with pytest.raises(ValueError, match="llama.attention.scale"):
         ModelConfig.from_gguf_metadata({**meta, "llama.attention.scale": 0.1}, True)
     with pytest.raises(ValueError, match="llama.rope.dimension_count=8 differs"):   # partial rotary: phi3 only
