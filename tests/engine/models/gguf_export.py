@@ -16,7 +16,8 @@ GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
           "lm_head.weight": "output.weight"}
 # transformers' stacked experts (`[experts, 2 * I, H]` gate|up, `[experts, H, I]` down) -> llama.cpp's
 # ffn_{gate,up,down}_exps, split along the rows as its converter stacks the per-expert tensors
-STACKED_EXPERTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "mlp.experts.down_proj": ("ffn_down_exps",)}
+STACKED_EXPERTS = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
+                   "mlp.experts.down_proj": ("ffn_down_exps",)}
 
 
 def write_gguf(model, path, arch: str, layer_names: dict[str, str], describe: Callable, quantize: bool = False,
