@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from gguf_export import describe_common, ours_logits, reference_logits, write_gguf
 from model_check import VOCAB, prompt, randomize_norms
 from nightshift.engine.loader import load_model
-from nightshift.engine.model_files import resolve_model
 
 pytestmark = pytest.mark.slow
 
@@ -22,48 +22,17 @@ LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-          "lm_head.weight": "output.weight"}
 
 
-def gguf_name(hf: str) -> str:
-    if hf in GLOBAL:
-        return GLOBAL[hf]
-    _, _, layer, rest = hf.split(".", 3)
-    module, suffix = rest.rsplit(".", 1)
-    return f"blk.{layer}.{LAYER[module]}.{suffix}"
-
-
-def write_gguf(model, path, quantize: bool) -> None:
-    import gguf
-    config = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+def describe_qwen3(writer, config) -> None:
+    describe_common(writer, config)
     writer.add_key_length(config.head_dim)
     writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
-    reader = gguf.GGUFReader(resolve_model("default"))      # the default model's tokenizer
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            writer.add_key_value(key, field.contents(), kind, field.types[1] if len(field.types) > 1 else None)
-    for name, tensor in model.state_dict().items():
-        data = tensor.detach().float().numpy()
-        if quantize and data.ndim == 2 and name.endswith("proj.weight"):
-            blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0)
-            writer.add_tensor(gguf_name(name), blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
-        else:
-            writer.add_tensor(gguf_name(name), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+
+def write_qwen3(model, path, quantize: bool) -> None:
+    write_gguf(model, path, "qwen3", LAYER, describe_qwen3, quantize=quantize)
 
 
 @pytest.fixture(scope="module")
@@ -78,27 +47,15 @@ def reference():
     return model
 
 
-@torch.inference_mode()
-def ours_logits(model, ids: list[int]) -> torch.Tensor:
-    from nightshift.engine.model_runner import ModelRunner, StepItem
-    runner = ModelRunner(model, num_kv_blocks=8, block_size=16)
-    table = list(range(8))
-    return torch.cat([runner.execute([StepItem(ids[:n], 0, table)]) for n in (len(ids) // 2, len(ids))])
-
-
 def test_qwen3_gguf_f32_matches_transformers(reference, tmp_path):
     path = tmp_path / "qwen3-f32.gguf"
-    write_gguf(reference, path, quantize=False)
+    write_qwen3(reference, path, quantize=False)
     ours = load_model(str(path), cache_dir=str(tmp_path / "cache"), cpu_math="float32")
     cfg = ours.config
     assert cfg.architecture == "qwen3" and cfg.qk_norm and cfg.head_dim == 32 and not cfg.tie_word_embeddings
     assert ours.layers[0].self_attn.q_norm.weight.shape == (32,)
     ids = prompt(40, 3)
-    with torch.inference_mode():
-        hf = reference(torch.tensor([ids])).logits[0].float()
-    got = ours_logits(ours, ids)
-    expected = torch.stack([hf[len(ids) // 2 - 1], hf[-1]])
-    assert (got - expected).abs().max().item() < 1e-4
+    assert (ours_logits(ours, ids) - reference_logits(reference, ids)).abs().max().item() < 1e-4
 
 
 def test_qwen3_gguf_q4_0_loads_dequantized_and_imports_blocks_for_int4(reference, tmp_path):
@@ -106,7 +63,7 @@ def test_qwen3_gguf_q4_0_loads_dequantized_and_imports_blocks_for_int4(reference
     from nightshift.engine.quant.config import resolve_quant_config
     from nightshift.engine.quant.int4_linear import Int4Linear
     path = tmp_path / "qwen3-q4_0.gguf"
-    write_gguf(reference, path, quantize=True)
+    write_qwen3(reference, path, quantize=True)
     ours = load_model(str(path), cache_dir=str(tmp_path / "cache"), cpu_math="float32")
     # the dense load holds the dequantized Q4_0 weights of each projection, rows in HF order
     q = reference.model.layers[1].self_attn.q_proj.weight.detach().numpy()
