@@ -425,17 +425,23 @@ def _consoles_process(args: tuple) -> Samples:
     return asyncio.run(_consoles(*args))
 
 
+def _client_and_batch(service, batch_requests: int) -> tuple[httpx.Client, str]:
+    """A client of the service's API key and the batch that runs during the load: once the engine
+    has started on it (``batch_requests`` lines), or created and cancelled when there are none."""
+    http = httpx.Client(base_url=service.base_url, headers={"Authorization": f"Bearer {service.api_key}"},
+                        timeout=600)
+    batch_id = _create_batch(http, request_lines(max(1, batch_requests), 128, ignore_eos=True), "running.jsonl")
+    if batch_requests:
+        _wait_for_engine(http, batch_id)
+    else:
+        http.post(f"/batches/{batch_id}/cancel").raise_for_status()
+    return http, batch_id
+
+
 def consoles_run(args: argparse.Namespace) -> dict[str, Samples]:
     """The API's pollers without and with ``--consoles`` open consoles (module docstring)."""
     with running_service(args.shape) as service:
-        http = httpx.Client(base_url=service.base_url, headers={"Authorization": f"Bearer {service.api_key}"},
-                            timeout=600)
-        batch_id = _create_batch(http, request_lines(max(1, args.batch_requests), 128, ignore_eos=True),
-                                 "running.jsonl")
-        if args.batch_requests:
-            _wait_for_engine(http, batch_id)
-        else:
-            http.post(f"/batches/{batch_id}/cancel").raise_for_status()
+        http, batch_id = _client_and_batch(service, args.batch_requests)
         root = service.base_url.removesuffix("/v1")
         tokens = console_logins(root, service.api_key, args.consoles)
         print(f"service: {args.shape} at {service.base_url}; batch {batch_id} ({args.batch_requests} requests) running; "
@@ -492,14 +498,7 @@ def run(args: argparse.Namespace) -> Samples | dict[str, Samples]:
     if args.consoles:
         return consoles_run(args)
     with running_service(args.shape) as service:
-        http = httpx.Client(base_url=service.base_url, headers={"Authorization": f"Bearer {service.api_key}"},
-                            timeout=600)
-        batch_id = _create_batch(http, request_lines(max(1, args.batch_requests), 128, ignore_eos=True),
-                                 "running.jsonl")
-        if args.batch_requests:
-            _wait_for_engine(http, batch_id)
-        else:
-            http.post(f"/batches/{batch_id}/cancel").raise_for_status()
+        http, batch_id = _client_and_batch(service, args.batch_requests)
         print(f"service: {args.shape} at {service.base_url}; batch {batch_id} ({args.batch_requests} requests) "
               f"running during the load", flush=True)
         processes = max(1, min(args.processes, args.clients))

@@ -19,13 +19,13 @@ dense layer reads its own; at large T every expert runs a GEMM on about T * k / 
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from nightshift.engine.layers.cpu_gemm import best_seconds
 from nightshift.engine.layers.linear import DenseLinearFactory, WeightSource
 from nightshift.engine.model_config import ModelConfig
 from nightshift.engine.models.llama import MLP
@@ -120,21 +120,11 @@ def build_pair(shape: MoeShape, math: str = "float32", seed: int = 0) -> tuple[S
     return moe.eval(), dense.eval()
 
 
-def best_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()                                               # warm-up (oneDNN primitives, allocator)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 @torch.inference_mode()
 def measure(moe: SparseMoeBlock, dense: MLP, tokens: int, repeats: int, seed: int = 1) -> Measurement:
     x = torch.randn(tokens, dense.gate_up_proj.in_features, generator=torch.Generator().manual_seed(seed))
     used = int(torch.unique(moe.route(x)[1]).numel())
-    return Measurement(tokens, best_time(lambda: moe(x), repeats), best_time(lambda: dense(x), repeats), used)
+    return Measurement(tokens, best_seconds(lambda: moe(x), repeats), best_seconds(lambda: dense(x), repeats), used)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
