@@ -104,13 +104,13 @@ def candidates(m: int, group_size: int, tinygemm: bool = False) -> list[KernelCo
     """The configurations worth timing for a step of m rows (block_k divides the group)."""
     k_steps = [b for b in (32, 64, 128) if b <= group_size and group_size % b == 0]
     found: list[KernelConfig] = []
-    if m == 1:
-        bk = k_steps[-1]
-        for block_n, split, warps, stages in ((8, 4, 2, 1), (16, 1, 4, 1), (16, 2, 4, 1), (16, 4, 4, 1),
-                                              (32, 1, 4, 1), (32, 2, 4, 1), (64, 1, 8, 1), (8, 8, 2, 1),
-                                              (16, 4, 4, 3), (32, 2, 4, 3)):
-            found.append(KernelConfig("gemv", block_m=1, block_n=block_n, block_k=bk, split_k=split,
-                                      num_warps=warps, num_stages=stages))
+    if m == 1:   # GEMV: block_k = channels per step (whole groups), several groups in flight per row
+        for block_n, step, split, warps, stages in ((16, 512, 1, 4, 2), (16, 1024, 1, 4, 2), (8, 1024, 1, 2, 2),
+                                                    (32, 512, 1, 4, 2), (32, 1024, 1, 8, 2), (16, 512, 2, 4, 2),
+                                                    (8, 512, 4, 2, 2), (64, 256, 1, 8, 2), (16, 1024, 1, 4, 3),
+                                                    (4, 1024, 1, 1, 2), (16, 256, 1, 4, 1)):
+            found.append(KernelConfig("gemv", block_m=1, block_n=block_n, block_k=max(step, group_size),
+                                      split_k=split, num_warps=warps, num_stages=stages))
     if m <= 16:
         for bk in k_steps[-2:]:
             for block_n, split in ((32, 4), (64, 1), (64, 2), (64, 4), (128, 1), (128, 2)):

@@ -6,22 +6,28 @@ high one). Which of them (or torch's own int4 kernel) runs a call is measured pe
 step size (engine/quant/int4_dispatch.py):
 
 * ``int4_gemv``: one activation row (batch-1 decode), memory-bound. A program owns ``BLOCK_N``
-  output channels and a ``1 / SPLIT_K`` share of K; it walks K one quantization group at a time
-  (``BLOCK_K`` = the group, so one scale and one min per row per step), dequantizes in float32 and
-  keeps a 2-D float32 accumulator reduced once at the end: no tensor cores, no per-step reduction.
-* ``int4_tiled``: ``BLOCK_M x BLOCK_N`` output tiles of a ``tl.dot`` on the tensor cores (bfloat16
-  or float16 operands, float32 accumulation), the weight tile dequantized in registers; split-K for
-  small M (decode batches), where the (M, N) tiles alone are too few to fill the GPU.
+  output channels and every ``SPLIT_K``-th step of ``BLOCK_K`` channels (whole groups, several in
+  flight per row); the weight is read as 32-bit words, the activation as ``[words, 8]`` blocks split
+  into its 8 columns in registers, and per group ``sum (128 + q) x`` becomes the dot (below).
+* ``int4_tiled``: ``BLOCK_M x BLOCK_N`` output tiles of ``tl.dot`` on the tensor cores (bfloat16
+  or float16 operands, float32 accumulation); the weight tile is not dequantized: its nibbles become
+  ``128 + q`` (bfloat16) or ``1024 + q`` (float16) by bit operations, exact in the dot's dtype, the
+  even and odd channels are two dots against the activation tile's even and odd columns (loaded
+  contiguously, split in registers), and the step's scale and min are applied to the partial tile.
+  Split-K for small M (decode batches), where the (M, N) tiles alone are too few to fill the GPU.
 * ``int4_dequantize`` + cuBLAS: the whole weight dequantized once per call into a scratch matrix of
   the activation dtype, then one dense matmul: for large M (prefill) the GEMM is compute-bound
   and cuBLAS's is the fastest there is; the dequantization is one memory-bound pass.
 
-Split-K partial sums go to a ``[SPLIT_K, M, N]`` float32 buffer summed afterwards (deterministic,
-unlike atomics: the same inputs give the same bits on every run). Nibbles become floats through
-the exponent trick (``0x4B000000 | q`` read as a float is ``2**23 + q``), an integer OR and a
-float subtraction instead of the conversion instruction, whose throughput is a sixteenth of the
-FMA's on Hopper. Under Triton's CPU interpreter (the tests' TRITON_INTERPRET=1) the dots run in
-float32: the interpreter computes bfloat16 dots wrongly.
+The bias trick: with ``q'`` = 128 + q (what the bits give without a conversion or subtraction),
+``sum_k (q s + m) x = s * sum_k q' x + (m - 128 s) * sum_k x`` per group (1024 for float16); the
+products are exact and the sums float32, so this costs nothing in accuracy that matters against the
+output's rounding. Split-K partial sums go to a ``[SPLIT_K, M, N]`` float32 buffer summed afterwards
+(deterministic, unlike atomics: the same inputs give the same bits on every run). The dequantization
+kernel turns nibbles into floats through ``0x4B000000 | q`` read as a float (``2**23 + q``), an
+integer OR and a float subtraction instead of the conversion instruction, whose throughput is a
+sixteenth of the FMA's on Hopper. Under Triton's CPU interpreter (the tests' TRITON_INTERPRET=1)
+the dots run in float32: the interpreter computes bfloat16 dots wrongly.
 
 Tested against the torch reference under ``TRITON_INTERPRET=1`` on CPU and compiled on CUDA
 (tests/engine/quant/test_triton_int4.py).
@@ -37,6 +43,11 @@ import triton.language as tl
 
 MAGIC = tl.constexpr(0x4B000000)          # float32 bits of 2**23: OR-ing a nibble in gives 2**23 + nibble
 MAGIC_FLOAT = tl.constexpr(8388608.0)
+BIAS = tl.constexpr(128.0)                   # nibble q read as 128 + q (bfloat16 / float32 bit tricks)
+BIAS_F32_BITS = tl.constexpr(0x43000000)     # float32 bits of 128.0; q << 16 lands on the unit bit
+BIAS_BF16_BITS = tl.constexpr(0x4300)        # bfloat16 bits of 128.0; q lands on the unit bit
+BIAS_F16 = tl.constexpr(1024.0)              # float16 bits 0x6400 = 1024.0, whose unit bit is bit 0
+BIAS_F16_BITS = tl.constexpr(0x6400)
 
 
 @triton.jit
@@ -69,27 +80,80 @@ def _dequantized(low, high, scale, minimum):
 
 
 @triton.jit
+def _biased_f32(nibble):
+    """uint32 nibbles q -> float32 ``128 + q`` exactly: ``q << 16 | bits(128.0)`` (no conversion op)."""
+    return ((nibble << 16) | BIAS_F32_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _word_nibble_f32(words, I: tl.constexpr):
+    """Nibble I of each uint32 word as float32 ``128 + q``: one shift that lands it on bits 16-19 and
+    one mask-and-OR (a single LOP3) that adds the exponent of 128."""
+    if I < 4:
+        moved = words << (16 - 4 * I)
+    elif I == 4:
+        moved = words
+    else:
+        moved = words >> (4 * I - 16)
+    return ((moved & 0xF0000) | BIAS_F32_BITS).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _columns8(xw, ROWS: tl.constexpr):
+    """``[ROWS, 8]`` -> its 8 columns (each ``[ROWS]``), by splitting pairs in registers."""
+    even, odd = tl.split(tl.reshape(xw, (ROWS, 4, 2)))            # columns 0 2 4 6 | 1 3 5 7
+    c04, c26 = tl.split(tl.reshape(even, (ROWS, 2, 2)))
+    c15, c37 = tl.split(tl.reshape(odd, (ROWS, 2, 2)))
+    c0, c4 = tl.split(c04)
+    c2, c6 = tl.split(c26)
+    c1, c5 = tl.split(c15)
+    c3, c7 = tl.split(c37)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
 def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, N, K, stride_qn, stride_sn, stride_ys,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-                      SPLIT_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """One activation row. A program owns BLOCK_N rows and every SPLIT_K-th step of GROUPS whole
+    groups. The weight is read as 32-bit words (8 channels each: nibble i of word w is channel
+    8w + i) and the activation as ``[words, 8]`` (16-byte loads, columns split in registers); each
+    nibble becomes ``128 + q`` as a float by a shift and a mask-and-OR, so a weight costs two
+    integer ops and one FMA; per group ``sum (128 + q) x`` is turned into the real dot as
+    ``s * dot + (min - 128 s) * sum x``."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
+    WORDS: tl.constexpr = GROUPS * GROUP // 8        # 32-bit words of one row per step
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rj = tl.arange(0, BLOCK_K // 2)                  # packed bytes of one K step
+    rw = tl.arange(0, WORDS)
+    rg = tl.arange(0, GROUPS)
+    r8 = tl.arange(0, 8)
     n_mask = rn < N
-    acc = tl.zeros((BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
-    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        low, high, scale, minimum = _load_group(qw_ptr, s_ptr, m_ptr, rn, n_mask, k0, stride_qn, stride_sn,
-                                                BLOCK_K, GROUP)
-        j = k0 // 2 + rj
-        x_even = tl.load(x_ptr + 2 * j).to(tl.float32)
-        x_odd = tl.load(x_ptr + 2 * j + 1).to(tl.float32)
-        # sum_k (q s + m) x = s * sum_k q x + m * sum_k x, per row of the group
-        acc += (low * x_even[None, :] + high * x_odd[None, :]) * scale[:, None]
-        acc += minimum[:, None] * (x_even + x_odd)[None, :]
+    acc = tl.zeros((BLOCK_N, GROUPS), dtype=tl.float32)
+    for k0 in range(pid_k * GROUPS * GROUP, K, GROUPS * GROUP * SPLIT_K):
+        w = k0 // 8 + rw
+        w_mask = w < K // 8
+        words = tl.load(qw_ptr + rn[:, None] * stride_qn + w[None, :], mask=n_mask[:, None] & w_mask[None, :],
+                        other=0).to(tl.uint32, bitcast=True)
+        xw = tl.load(x_ptr + 8 * w[:, None] + r8[None, :], mask=w_mask[:, None], other=0.0).to(tl.float32)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _columns8(xw, WORDS)
+        dots = _word_nibble_f32(words, 0) * x0[None, :]
+        dots += _word_nibble_f32(words, 1) * x1[None, :]
+        dots += _word_nibble_f32(words, 2) * x2[None, :]
+        dots += _word_nibble_f32(words, 3) * x3[None, :]
+        dots += _word_nibble_f32(words, 4) * x4[None, :]
+        dots += _word_nibble_f32(words, 5) * x5[None, :]
+        dots += _word_nibble_f32(words, 6) * x6[None, :]
+        dots += _word_nibble_f32(words, 7) * x7[None, :]
+        group_dots = tl.sum(tl.reshape(dots, (BLOCK_N, GROUPS, GROUP // 8)), axis=2)
+        group_xsum = tl.sum(tl.reshape(xw, (GROUPS, GROUP)), axis=1)
+        g = k0 // GROUP + rg
+        meta_mask = n_mask[:, None] & (g < K // GROUP)[None, :]
+        meta = rn[:, None] * stride_sn + g[None, :]
+        scale = tl.load(s_ptr + meta, mask=meta_mask, other=0.0).to(tl.float32)
+        minimum = tl.load(m_ptr + meta, mask=meta_mask, other=0.0).to(tl.float32)
+        acc += group_dots * scale + (minimum - BIAS * scale) * group_xsum[None, :]
     y = tl.sum(acc, axis=1)
-    y_ptrs = y_ptr + pid_k * stride_ys + rn
-    tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=n_mask)
+    tl.store(y_ptr + pid_k * stride_ys + rn, y.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
 @triton.jit
@@ -97,24 +161,52 @@ def _int4_tiled_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, M, N, K,
                        stride_xm, stride_qn, stride_sn, stride_ys, stride_ym,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP: tl.constexpr, SPLIT_K: tl.constexpr, DOT_FLOAT32: tl.constexpr):
+    """``BLOCK_M x BLOCK_N`` tiles on the tensor cores. The weight tile is not dequantized: its
+    nibbles become ``128 + q`` in the dot's dtype by bit operations (bfloat16 ``0x4300 | q``, float16
+    ``0x6400 | q`` = ``1024 + q``, float32 as in the GEMV), exact in every one; the even and odd
+    channels are two dots against the activation's even and odd columns (no interleaving), and the
+    step's scale and min are applied to the step's partial tile: ``s * dot + (min - bias s) sum x``."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rj = tl.arange(0, BLOCK_K // 2)
     m_mask = rm < M
     n_mask = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        low, high, scale, minimum = _load_group(qw_ptr, s_ptr, m_ptr, rn, n_mask, k0, stride_qn, stride_sn,
-                                                BLOCK_K, GROUP)
-        w = _dequantized(low, high, scale, minimum)                 # [BLOCK_N, BLOCK_K], channel order
+        j = k0 // 2 + rj
+        packed = tl.load(qw_ptr + rn[:, None] * stride_qn + j[None, :], mask=n_mask[:, None], other=0)
         rk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_mask[:, None], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))   # contiguous load, split in registers
+        g = k0 // GROUP
+        scale = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        minimum = tl.load(m_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
         if DOT_FLOAT32:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+            word = packed.to(tl.uint32)
+            low = _biased_f32(word & 0xF)
+            high = _biased_f32(word >> 4)
+            x_even = x_even.to(tl.float32)
+            x_odd = x_odd.to(tl.float32)
+            part = tl.dot(x_even, tl.trans(low), input_precision="ieee")
+            part = tl.dot(x_odd, tl.trans(high), part, input_precision="ieee")
+            bias = BIAS
         else:
-            acc += tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)))
+            half = packed.to(tl.uint16)
+            if x_ptr.dtype.element_ty == tl.bfloat16:
+                bits = BIAS_BF16_BITS
+                bias = BIAS
+            else:
+                bits = BIAS_F16_BITS
+                bias = BIAS_F16
+            low = ((half & 0xF) | bits).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
+            high = ((half >> 4) | bits).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
+            part = tl.dot(x_even, tl.trans(low))
+            part = tl.dot(x_odd, tl.trans(high), part)
+        xsum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
+        acc += part * scale[None, :] + xsum[:, None] * (minimum - bias * scale)[None, :]
     y_ptrs = y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
@@ -138,8 +230,9 @@ def _int4_dequantize_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, stride_qn, stride
 class KernelConfig:
     """One way to run a call: ``method`` "gemv", "tiled", "dequant" (this module's kernels) or
     "tinygemm" (torch's CUDA int4 kernel, engine/quant/int4_dispatch.py), and the launch parameters of
-    ours. block_k divides the quantization group (a K step has one scale and min per row) and is at
-    least 32: with 16 the tiled kernel computed wrong results on an H200 (Triton 3.6)."""
+    ours. block_k is the channels of one K step: for the tiled kernel a divisor of the quantization
+    group (a step has one scale and min per row), for the GEMV whole groups; at least 32: with 16 the
+    tiled kernel computed wrong results on an H200 (Triton 3.6)."""
     method: str
     block_m: int = 16
     block_n: int = 64
@@ -170,7 +263,9 @@ def _interpreting() -> bool:
 def _check(x: torch.Tensor, qweight: torch.Tensor, group_size: int, config: KernelConfig) -> None:
     if x.dim() != 2 or x.shape[1] != qweight.shape[1] * 2:
         raise ValueError(f"x must be [M, {qweight.shape[1] * 2}], got {tuple(x.shape)}")
-    if config.method != "dequant" and group_size % config.block_k:
+    if config.method == "gemv" and config.block_k % group_size:
+        raise ValueError(f"the GEMV's block_k {config.block_k} must be whole groups of {group_size}")
+    if config.method == "tiled" and group_size % config.block_k:
         raise ValueError(f"block_k {config.block_k} must divide the group size {group_size}")
 
 
@@ -186,16 +281,20 @@ def _reduce(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
               group_size: int, config: KernelConfig) -> torch.Tensor:
-    """``x [1, K]`` times the INT4 weight -> ``[1, N]`` in x's dtype."""
+    """``x [1, K]`` times the INT4 weight -> ``[1, N]`` in x's dtype; ``config.block_k`` channels
+    (whole groups) per step, the weight read as 32-bit words (K a multiple of 8)."""
     _check(x, qweight, group_size, config)
     if x.shape[0] != 1:
         raise ValueError(f"int4_gemv takes one row, got {x.shape[0]}")
+    if qweight.shape[1] % 4 or qweight.stride(1) != 1 or qweight.stride(0) % 4:
+        raise ValueError("int4_gemv reads 32-bit words: K must be a multiple of 8 and the rows contiguous")
     x = x.contiguous()
     n, k = qweight.shape[0], x.shape[1]
+    words = qweight.view(torch.int32)
     y = _split_output(1, n, config.split_k, x)
     grid = (triton.cdiv(n, config.block_n), config.split_k)
-    _int4_gemv_kernel[grid](x, qweight, scales, mins, y, n, k, qweight.stride(0), scales.stride(0), y.stride(0),
-                            BLOCK_N=config.block_n, BLOCK_K=config.block_k, GROUP=group_size,
+    _int4_gemv_kernel[grid](x, words, scales, mins, y, n, k, words.stride(0), scales.stride(0), y.stride(0),
+                            BLOCK_N=config.block_n, GROUP=group_size, GROUPS=config.block_k // group_size,
                             SPLIT_K=config.split_k, num_warps=config.num_warps, num_stages=config.num_stages)
     return _reduce(y, x.dtype)
 
