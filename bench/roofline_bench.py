@@ -72,13 +72,18 @@ def _block_tables(runner, sequences: int, tokens: int, what: str) -> list[list[i
     return [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(sequences)]
 
 
-def measure_decode(runner, batch: int, context: int, steps: int, peak: Optional[DevicePeak],
-                   seed: int = 0) -> Measurement:
-    """One decode step of `batch` sequences whose new token is at position context - 1."""
+def _decode_items(runner, batch: int, context: int, seed: int = 0) -> list[StepItem]:
+    """`batch` sequences whose new token is at position context - 1, on disjoint blocks."""
     tables = _block_tables(runner, batch, context, f"decode batch {batch} x context {context}")
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, runner.config.vocab_size, (batch,), generator=g).tolist()
-    items = [StepItem([tokens[b]], context - 1, tables[b]) for b in range(batch)]
+    return [StepItem([tokens[b]], context - 1, tables[b]) for b in range(batch)]
+
+
+def measure_decode(runner, batch: int, context: int, steps: int, peak: Optional[DevicePeak],
+                   seed: int = 0) -> Measurement:
+    """One decode step of `batch` sequences whose new token is at position context - 1."""
+    items = _decode_items(runner, batch, context, seed)
     seconds = _timed(runner, items, steps)
     amount = decode_step_bytes(weight_bytes_per_step(runner.model), kv_bytes_per_token(runner.config, runner.dtype),
                                [context] * batch)
@@ -97,6 +102,23 @@ def measure_prefill(runner, prompts: int, length: int, repeats: int, peak: Optio
     amount = prefill_flops(runner.config, [(0, length)] * prompts)
     util = None if peak is None else utilisation(amount, seconds, peak.bf16_flops)
     return Measurement(f"prefill {prompts} x {length}", seconds, prompts * length, amount, util)
+
+
+def profile_decode(runner, batch: int, context: int, steps: int, rows: int = 14) -> str:
+    """torch.profiler's table of the device kernels of `steps` decode steps (CUDA-graph replays
+    included), by total device time: where a step's time goes, before tuning anything."""
+    from torch.profiler import ProfilerActivity, profile
+    items = _decode_items(runner, batch, context)
+    runner.execute(items)
+    _sync(runner.device)
+    activities = [ProfilerActivity.CUDA] if runner.device.type == "cuda" else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            runner.execute(items)
+        _sync(runner.device)
+    key = "self_device_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+    return (f"profile: decode batch {batch} ctx {context}, {steps} steps\n"
+            + prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70))
 
 
 @dataclass
@@ -131,6 +153,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs of decode steps")
     parser.add_argument("--compare-eager", action="store_true",
                         help="CUDA: after the measurements, the decode batch sizes again without CUDA graphs")
+    parser.add_argument("--profile", default="", metavar="BATCHES",
+                        help="comma list of decode batch sizes to profile (torch.profiler kernel table)")
     return parser.parse_args(argv)
 
 
@@ -177,6 +201,8 @@ def run(args: argparse.Namespace, log=print) -> RooflineReport:
     if args.prefill_len > 0:
         report.prefill = measure_prefill(runner, args.prefill_prompts, args.prefill_len, args.prefill_repeats, peak)
         log(report.prefill.line("GFLOP/s", "MFU"))
+    for batch in [int(b) for b in args.profile.split(",") if b]:
+        log(profile_decode(runner, batch, args.context, min(args.steps, 10)))
     if args.compare_eager and runner.graphs is not None:
         del runner                        # its KV pool freed first: the eager runner gets its own
         eager = ModelRunner(model, num_kv_blocks=blocks, block_size=args.block_size, enforce_eager=True)
