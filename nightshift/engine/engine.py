@@ -22,7 +22,7 @@ from nightshift.engine.engine_config import EngineConfig, resolve_device, resolv
 from nightshift.engine.grammar import GrammarCompiler, GrammarError, GrammarMasks, LateGrammarCheck
 from nightshift.engine.loader import load_model
 from nightshift.engine.model_files import model_name, resolve_model
-from nightshift.engine.models import fused_cpu_layer
+from nightshift.engine.models import fused_cpu_layer, fused_gpu_layer
 from nightshift.engine.model_runner import ModelRunner
 from nightshift.engine.quant.config import resolve_quant_config
 from nightshift.engine.request_validation import check_request
@@ -115,7 +115,9 @@ class Engine:
         where = f"{model.embed_tokens.device.type} {str(model.dtype).removeprefix('torch.')}"
         choice = getattr(model, "cpu_math", None)
         if model.embed_tokens.device.type == "cuda":
-            return f"{where}, decode steps {'eager' if self.runner.graphs is None else 'from CUDA graphs'}"
+            fused = ", fused layers" if self.runner.attention.name == fused_gpu_layer.BACKEND and \
+                getattr(model, "fused_gpu_layers", None) is not None else ""
+            return f"{where}, decode steps {'eager' if self.runner.graphs is None else 'from CUDA graphs'}{fused}"
         if choice is None:
             return where
         fused = self.runner.attention.name == fused_cpu_layer.BACKEND and getattr(model, "fused_layers", None) is not None

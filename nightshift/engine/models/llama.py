@@ -23,7 +23,7 @@ from nightshift.engine.attention.base import AttentionBackend, StepMetadata
 from nightshift.engine.kv_cache import KVCache
 from nightshift.engine.layers import cpu_math
 from nightshift.engine.layers.linear import DenseLinear, DenseLinearFactory, LinearFactory, WeightSource
-from nightshift.engine.models import fused_cpu_layer
+from nightshift.engine.models import fused_cpu_layer, fused_gpu_layer
 from nightshift.engine.model_config import ModelConfig, rope_scaling_type
 
 # builds the projection `name` from the checkpoint parts stacked along its output dim
@@ -266,6 +266,8 @@ class LlamaForCausalLM(nn.Module):
         # the same layers as fused C kernels where the CPU's bf16 math and the layer shape allow
         # (models/fused_cpu_layer.py); None: the torch layers always
         self.fused_layers = fused_cpu_layer.build(self, plain_layer)
+        # on CUDA, the same layers with their small ops as Triton kernels (models/fused_gpu_layer.py)
+        self.fused_gpu_layers = fused_gpu_layer.build(self, plain_layer)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -295,6 +297,8 @@ class LlamaForCausalLM(nn.Module):
         layers = self.layers
         if self.fused_layers is not None and attention.name == fused_cpu_layer.BACKEND:
             layers = self.fused_layers
+        elif self.fused_gpu_layers is not None and attention.name == fused_gpu_layer.BACKEND:
+            layers = self.fused_gpu_layers
         for layer, kv_cache, which in zip(layers, kv_caches, self.layer_rope):
             x = layer(x, *rope[which], kv_cache, attention, meta)
         if logits_rows is not None:
