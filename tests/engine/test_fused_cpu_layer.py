@@ -102,3 +102,25 @@ def test_the_torch_layers_run_where_a_piece_does_not_fit(bf16_model, fp32_model,
         assert torch.equal(runner.execute(item), with_fused)
     finally:
         bf16_model.fused_layers = saved
+
+
+def test_an_int4_model_on_the_bf16_math_runs_the_fused_layers_too(default_model_path):
+    """The INT4 default (GGUF Q4 import) on the bf16 math: its projections compute bfloat16 in and
+    out (quant/int4_linear.py: tinygemm for steps of up to 8 rows, the kept dense bf16 weight
+    above), so the layers fuse; same schedule, the same logits as its torch layers up to where the two
+    round (the fused form rounds each projection's output to bfloat16): KL 1.8e-3, as the dense
+    model's two forms differ (2.0e-3 on this schedule)."""
+    from nightshift.engine.loader import load_model
+    from nightshift.engine.quant.config import resolve_quant_config
+    model = load_model(default_model_path, dtype=torch.float32, cpu_math="bf16", quant_config=resolve_quant_config("int4"))
+    assert model.fused_layers is not None and model.kv_dtype == torch.bfloat16
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (40, 23, 71, 9)]
+    forced = [torch.randint(100, 40000, (6,), generator=g).tolist() for _ in prompts]
+    runner = ModelRunner(model, num_kv_blocks=40, block_size=16)
+    fused = schedule(runner, model.fused_layers, prompts, forced)
+    torch_layers = schedule(runner, None, prompts, forced)
+    assert kl(fused, torch_layers) < 4e-3, kl(fused, torch_layers)
+    assert (fused.argmax(-1) == torch_layers.argmax(-1)).float().mean() > 0.95
+    alone = runner.execute([StepItem([7], len(prompts[1]), list(range(8, 16)))])   # 1 row: tinygemm
+    assert torch.isfinite(alone).all()

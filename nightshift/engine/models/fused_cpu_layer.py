@@ -33,24 +33,30 @@ import torch
 from nightshift.engine.kernels import cpu_fused_ops
 from nightshift.engine.layers.cpu_math import Bf16Weight
 from nightshift.engine.layers.linear import DenseLinear
+from nightshift.engine.quant.int4_linear import Int4Linear
 
 ENV = "NIGHTSHIFT_CPU_FUSED_OPS"
 BACKEND = "cpu-kernel"      # the attention backend whose K/V store rope_store does (slot_mapping rows)
 
 
-def _bf16_weight(module, bias_allowed: bool) -> Optional[Bf16Weight]:
-    if type(module) is not DenseLinear or not isinstance(module.packed, Bf16Weight):
-        return None
+def _bf16_weight(module, bias_allowed: bool):
+    """What computes the projection bfloat16 in and out (``linear_bf16``): a dense layer's
+    Bf16Weight, or an INT4 layer on the bf16 math (quant/int4_linear.py: tinygemm for small steps,
+    its dequantized Bf16Weight for large ones); None where neither applies."""
     if module.bias is not None and not bias_allowed:
         return None
-    return module.packed
+    if type(module) is DenseLinear and isinstance(module.packed, Bf16Weight):
+        return module.packed
+    if type(module) is Int4Linear and module.bf16_ready():
+        return module
+    return None
 
 
 class FusedCpuLayer:
     """One decoder layer's weights, run through the fused kernels (``__call__`` is the layer's
     forward: the residual stream `x` is updated in place and returned)."""
 
-    def __init__(self, layer, qkv: Bf16Weight, o: Bf16Weight, gate_up: Bf16Weight, down: Bf16Weight):
+    def __init__(self, layer, qkv, o, gate_up, down):
         attn = layer.self_attn
         self.input_norm = layer.input_layernorm.weight.detach().contiguous()
         self.post_norm = layer.post_attention_layernorm.weight.detach().contiguous()

@@ -111,6 +111,24 @@ class Int4Linear(nn.Module):
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
 
+    def bf16_ready(self) -> bool:
+        """Whether ``linear_bf16`` runs here: a CPU layer on the bf16 math (engine/layers/cpu_math.py),
+        no AWQ input scale, its dense weight kept (models/fused_cpu_layer.py takes it then)."""
+        return (self.qweight.device.type == "cpu" and self.cpu_math == "bf16" and self.input_scale is None
+                and self.cache_dense_weight)
+
+    def linear_bf16(self, x2d: torch.Tensor) -> torch.Tensor:
+        """bfloat16 ``[M, K]`` -> bfloat16 ``[M, N]``, bias not added (the fused CPU layer adds the
+        q/k/v bias itself), on a ``bf16_ready`` layer: tinygemm for steps of at most
+        ``cpu_int4_max_rows`` rows (bfloat16 in and out, as ``forward`` runs it), else the kept
+        dense weight's bf16 matmul (the ``cpu_math.Bf16Weight`` that ``forward``'s dense path uses)."""
+        if x2d.shape[0] <= self.cpu_int4_max_rows:
+            return self._tinygemm(x2d)
+        w = self._dense_weight(x2d.device, torch.float32)
+        if not isinstance(w, cpu_math.Bf16Weight):
+            raise RuntimeError(f"linear_bf16 needs the bf16 CPU math's weight, this layer keeps {type(w).__name__}")
+        return w.linear_bf16(x2d)
+
     def _tinygemm(self, x2d: torch.Tensor) -> torch.Tensor:
         if self._tinygemm_packed is None:
             self._tinygemm_packed = pack_for_tinygemm(self.int4_weight)
@@ -119,17 +137,23 @@ class Int4Linear(nn.Module):
             sz = self._tinygemm_sz[x2d.dtype] = tinygemm_scales_and_zeros(self.int4_weight, x2d.dtype)
         return tinygemm_linear(x2d, self._tinygemm_packed, self.group_size, sz)
 
-    def _dense_linear(self, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x2d @ dequantized W.T; when cached, a float32 CPU weight is held for the model's CPU
-        math (engine/layers/cpu_math.py) as the full-precision layers' are."""
-        key = (x2d.device, x2d.dtype)
+    def _dense_weight(self, device: torch.device, dtype: torch.dtype):
+        """The dequantized weight in dtype, or the CPU math's form of it (float32 on CPU), kept
+        after the first call when cache_dense_weight."""
+        key = (device, dtype)
         w = self._dense.get(key)
         if w is None:
-            w = self.int4_weight.dequantize(x2d.dtype)
+            w = self.int4_weight.dequantize(dtype)
             if self.cache_dense_weight:
                 if cpu_math.applies(w, self.cpu_math):
                     w = cpu_math.prepare(w, self.cpu_math)
                 self._dense[key] = w
+        return w
+
+    def _dense_linear(self, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x2d @ dequantized W.T; when cached, a float32 CPU weight is held for the model's CPU
+        math (engine/layers/cpu_math.py) as the full-precision layers' are."""
+        w = self._dense_weight(x2d.device, x2d.dtype)
         if isinstance(w, cpu_math.MathWeight):
             return w.linear(x2d, bias)
         return F.linear(x2d, w, bias)
