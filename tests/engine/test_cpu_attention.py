@@ -9,17 +9,21 @@ import torch
 from nightshift.engine.kernels import cpu_paged_attention
 
 
-def reference(q, k_cache, v_cache, tables, lens, scale):
-    """Each row: gather its positions' K/V by block table, repeat K/V per query head, softmax."""
+def reference(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None):
+    """Each row: gather its positions' K/V by block table (the last `window` of them with a
+    window), repeat K/V per query head, soft-cap the scores where asked, softmax."""
     _, block_size, kv_heads, dim = k_cache.shape
     heads = q.shape[1]
     out = []
     for i, length in enumerate(lens.tolist()):
-        pos = torch.arange(length)
+        pos = torch.arange(0 if window is None else max(0, length - window), length)
         slots = tables[i].long()[pos // block_size] * block_size + pos % block_size
         keys = k_cache.reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
         values = v_cache.reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
-        weights = torch.softmax(torch.einsum("hd,thd->ht", q[i].double(), keys.double()) * scale, dim=-1)
+        scores = torch.einsum("hd,thd->ht", q[i].double(), keys.double()) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        weights = torch.softmax(scores, dim=-1)
         out.append(torch.einsum("ht,thd->hd", weights, values.double()))
     return torch.stack(out).float()
 
@@ -60,6 +64,32 @@ def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size, port
         alone = cpu_paged_attention.paged_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1].contiguous(),
                                                     lengths[i:i + 1], dim ** -0.5, portable)
         assert torch.equal(alone[0], out[i])
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("window, softcap", [(5, None), (20, None), (None, 2.0), (7, 1.5)])
+def test_sliding_window_and_soft_capping(window, softcap, portable):
+    """Gemma's and Mistral's attention: each row sees its last `window` positions only, scores
+    soft-capped; the table entries of blocks wholly before a row's window are -1 (given back by the
+    block manager) and never read."""
+    heads, kv_heads, dim, block_size = 8, 2, 64, 4
+    if cpu_paged_attention.load(heads // kv_heads, dim, portable, torch.bfloat16) is None:
+        pytest.skip("no C compiler here: the runner uses the torch path")
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(64, block_size, kv_heads, dim, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(64, block_size, kv_heads, dim, generator=g).to(torch.bfloat16)
+    lens = torch.tensor([1, 5, 9, 23, 40], dtype=torch.int32)
+    tables = torch.arange(5 * 10, dtype=torch.int32).view(5, 10)
+    q = torch.randn(5, heads, dim, generator=g) * 3
+    expected = reference(q, k_cache.float(), v_cache.float(), tables, lens, dim ** -0.5, window, softcap)
+    if window is not None:     # blocks before each row's window given back
+        for i, n in enumerate(lens.tolist()):
+            tables[i, :max(0, n - window) // block_size] = -1
+    out = cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, portable,
+                                              window=window, softcap=softcap)
+    assert (out - expected).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="positive"):
+        cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lens, 1.0, window=0)
 
 
 def test_pools_of_other_dtypes_are_refused():

@@ -4,8 +4,10 @@ The C kernel (engine/kernels/cpu_paged_attention.py) reads each decode row's K/V
 its block table, so one call takes every decode row: no families, buckets or cascade prefix are
 needed (shared blocks are simply read by each row). A prefill chunk's rows would each re-read the
 whole context there, where SDPA over the gathered context reads it once for all of them, so
-prefill chunks take the torch path (TorchAttention's spans). CPU and float32 only; the selection
-(engine/attention/__init__.py) checks `cpu_paged_attention.supports` first.
+prefill chunks take the torch path (TorchAttention's spans; with a sliding window or soft-capping,
+torch_paged.masked_attention, while the decode rows still take the kernel, which applies both). CPU
+and float32 only; the selection (engine/attention/__init__.py) checks `cpu_paged_attention.supports`
+first.
 """
 from __future__ import annotations
 
@@ -69,12 +71,16 @@ class CpuKernelAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuKernelMetadata, scale: float,
                 window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:
-        if window is not None or softcap is not None:   # the C kernel has neither: the masked torch path
-            return masked_attention(q, k_cache, v_cache, meta.sequences, scale, window, softcap)
         outputs = []
         rows = meta.decode_rows
         if rows is not None:
             outputs.append(cpu_paged_attention.paged_attention(q[:rows.num_rows], k_cache, v_cache, rows.block_tables,
-                                                               rows.context_lens, scale))
-        outputs += prefill_spans_attention(q, k, v, k_cache, v_cache, meta.prefills, scale)
+                                                               rows.context_lens, scale, window=window, softcap=softcap))
+        if window is not None or softcap is not None:   # prefill chunks: the masked torch path
+            first = 0 if rows is None else rows.num_rows
+            prefill = [s for s in meta.sequences if s.row_start >= first]
+            if prefill:
+                outputs.append(masked_attention(q, k_cache, v_cache, prefill, scale, window, softcap))
+        else:
+            outputs += prefill_spans_attention(q, k, v, k_cache, v_cache, meta.prefills, scale)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)

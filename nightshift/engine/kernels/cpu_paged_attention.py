@@ -9,7 +9,8 @@ dot products), one exp pass per head, a second pass over the blocks accumulates 
 Each block's K and V are read front to back (all KV heads of a position are one contiguous run).
 A row's result depends on that row alone, so a lone request and the same request in a batch get
 the same bits. A query row attends to positions 0..lens-1 of its sequence (its own K/V are stored
-before the call). CpuKernelAttention (engine/attention/cpu_kernel_backend.py) sends it decode
+before the call), or with a sliding window to its last `window` of them, with scores soft-capped
+where asked (Gemma 2/3, Mistral). CpuKernelAttention (engine/attention/cpu_kernel_backend.py) sends it decode
 rows only.
 
 At 256 rows of ~300 positions the kernel is bound by reading the rows' own K/V from memory (the
@@ -87,7 +88,7 @@ static inline __m512 sum16(__m512 v[16]) {
    whatever rows share the call). */
 void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cache,
                          const int32_t *tables, int64_t tw, const int32_t *lens, float *out,
-                         int64_t n, int64_t KVH, int64_t bs, float scale) {
+                         int64_t n, int64_t KVH, int64_t bs, float scale, int64_t window, float softcap) {
     const int64_t H = KVH * GQ, row = KVH * HD;
     int64_t max_len = 1;
     for (int64_t i = 0; i < n; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
@@ -99,9 +100,12 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
             const int64_t L = lens[i], nb = (L + bs - 1) / bs;
+            /* a window: only positions first .. L-1 (blocks before first's are never read: the
+               block manager may have given them back) */
+            const int64_t first = window > 0 && L > window ? L - window : 0, b0 = first / bs;
             const int32_t *tab = tables + i * tw;
             for (int64_t d = 0; d < H * HD; d++) { qs[d] = q[i * H * HD + d] * scale; acc[d] = 0.f; }
-            for (int64_t b = 0; b < nb; b++) {
+            for (int64_t b = b0; b < nb; b++) {
                 const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
                 for (int64_t h = 0; h < KVH; h++) {
                     const kv_t *kb = k_cache + (int64_t)tab[b] * bs * row + h * HD;
@@ -140,16 +144,20 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                 }
             }
             float l[H];
+            const int64_t s0 = b0 * bs;                   /* the scores written: s0 .. L-1 */
             for (int64_t hg = 0; hg < H; hg++) {
                 float *sg = scores + hg * stride, total = 0.f, mg = -3.0e38f;
-                for (int64_t t = 0; t < L; t++) mg = sg[t] > mg ? sg[t] : mg;
+                if (softcap > 0.f)                        /* soft-capping: softcap * tanh(score / softcap) */
+                    for (int64_t t = first; t < L; t++) sg[t] = softcap * tanhf(sg[t] / softcap);
+                for (int64_t t = s0; t < first; t++) sg[t] = -INFINITY;
+                for (int64_t t = first; t < L; t++) mg = sg[t] > mg ? sg[t] : mg;
                 const int64_t padded = (L + 15) & ~(int64_t)15;      /* whole vectors: no scalar tail */
                 for (int64_t t = L; t < padded; t++) sg[t] = -INFINITY;
                 #pragma omp simd reduction(+:total)
-                for (int64_t t = 0; t < padded; t++) { sg[t] = expf(sg[t] - mg); total += sg[t]; }
+                for (int64_t t = s0; t < padded; t++) { sg[t] = expf(sg[t] - mg); total += sg[t]; }
                 l[hg] = total;
             }
-            for (int64_t b = 0; b < nb; b++) {
+            for (int64_t b = b0; b < nb; b++) {
                 const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
                 for (int64_t h = 0; h < KVH; h++) {
                     const kv_t *vb = v_cache + (int64_t)tab[b] * bs * row + h * HD;
@@ -223,7 +231,7 @@ def load(group: int = 3, head_dim: int = 64, portable: bool = False,
             fn = lib.paged_attention_f32
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-                [ctypes.c_int64] * 3 + [ctypes.c_float]
+                [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
         _libs[shape] = lib
         return lib
 
@@ -236,9 +244,14 @@ def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: in
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                    lens: torch.Tensor, scale: float, portable: bool = False) -> torch.Tensor:
+                    lens: torch.Tensor, scale: float, portable: bool = False, window: Optional[int] = None,
+                    softcap: Optional[float] = None) -> torch.Tensor:
     """q `[n, H, D]` float32 -> `[n, H, D]`; tables `[n, w]` int32 block ids, lens `[n]` int32;
-    the pool's K/V float32 or bfloat16."""
+    the pool's K/V float32 or bfloat16. window: each row sees only its last `window` positions
+    (itself included; table entries of blocks wholly before them are never read); softcap: scores
+    (after scale) become softcap * tanh(score / softcap)."""
+    if (window is not None and window <= 0) or (softcap is not None and softcap <= 0):
+        raise ValueError(f"window and softcap must be positive, got {window}, {softcap}")
     n, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert k_cache.dtype == v_cache.dtype
@@ -250,6 +263,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and tables.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == torch.float32
     lib.paged_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                            tables.shape[1], lens.data_ptr(), out.data_ptr(), n, kv_heads, block_size, scale)
+                            tables.shape[1], lens.data_ptr(), out.data_ptr(), n, kv_heads, block_size, scale,
+                            window or 0, softcap or 0.0)
     return out
 
