@@ -216,9 +216,9 @@ def test_shared_prefix_blocks_match_transformers(fp32_model, hf_reference_model,
             worst = max(worst, (row - ref[n + step]).abs().max().item())
     assert worst < TOLERANCE, f"max abs logit difference {worst:.2e}"
     items = [StepItem([1], n, t) for n, t in zip(prompt_lens, tables)]
-    if cpu_kernel:   # one kernel call takes every decode row and reads shared blocks in place: no families
+    if cpu_kernel:   # one kernel call takes every row and reads shared blocks in place: no families
         meta = runner.attention.build_metadata(items)
-        assert meta.decode_rows.num_rows == len(sequences) and meta.item_order == list(range(len(sequences)))
+        assert meta.rows.num_rows == len(sequences) and meta.item_order == list(range(len(sequences)))
         return
     families = runner.attention.decode_families(items)
     assert sorted(i for f in families for i in f) == list(range(len(sequences)))

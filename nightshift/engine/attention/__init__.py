@@ -3,8 +3,9 @@
 * torch_backend.py       TorchAttention: plain torch on any device, K/V gathered from the pool;
                          decode families, cascade shared-prefix attention and causal masks
                          (the attention arithmetic itself: torch_paged.py).
-* cpu_kernel_backend.py  CpuKernelAttention: CPU float32; decode rows through the C kernel of
-                         engine/kernels/cpu_paged_attention.py, prefill chunks through the torch path.
+* cpu_kernel_backend.py  CpuKernelAttention: CPU float32; every row (decode rows and prefill
+                         chunks, windows and soft-capping included) through the C kernel of
+                         engine/kernels/cpu_paged_attention.py.
 * triton_backend.py      TritonAttention: the Triton kernels of engine/kernels/ (store_kv, decode,
                          prefill).
 
@@ -30,7 +31,7 @@ BACKENDS = ("auto", "torch", "triton")
 class AttentionOptions:
     """attention_backend: "triton" (the kernels of engine/kernels/), "torch", or "auto" (triton on
         CUDA, torch elsewhere).
-    cpu_kernel: with "torch" on CPU in float32, decode rows go through the C kernel
+    cpu_kernel: with "torch" on CPU in float32, the step's rows go through the C kernel
         (CpuKernelAttention) when it builds for the model's shape; otherwise, or when
         NIGHTSHIFT_CPU_ATTENTION=0, the torch path alone (decode_bucket and
         shared_prefix_attention only concern that path).

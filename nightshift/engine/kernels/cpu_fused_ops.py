@@ -81,27 +81,23 @@ void silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I) {
     }
 }
 
-/* x [n] into the pool at element `at` (float32, or bfloat16 where bf16) and, where out is not
-   NULL, the values the pool now holds into out [n] as float32 */
-static inline void store_row(void *pool, int64_t at, const float *x, int64_t n, int64_t bf16, float *out) {
+/* x [n] into the pool at element `at` (float32, or bfloat16 where bf16) */
+static inline void store_row(void *pool, int64_t at, const float *x, int64_t n, int64_t bf16) {
     if (bf16) {
         uint16_t *p = (uint16_t *)pool + at;
         for (int64_t i = 0; i < n; i++) p[i] = f32_to_bf16(x[i]);
-        if (out) for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(p[i]);
     } else {
         memcpy((float *)pool + at, x, sizeof(float) * n);
-        if (out) memcpy(out, x, sizeof(float) * n);
     }
 }
 
 /* qkv [T, (H + 2 KVH) * D] bf16 (+ bias [(H + 2 KVH) * D] float32 or NULL); cos, sin [T, R]
    (R rotary dims, the first R of each head; cos/sin repeat their halves). q and k heads rotated
    (x * cos + rotate_half(x) * sin); q -> q_out [T, H, D]; k, v -> the pool at slots[t]
-   (k_cache, v_cache [slots, KVH, D], float32, or bfloat16 where kv_bf16) and, where k_out is
-   not NULL, k_out/v_out [T, KVH, D]: the K/V as the pool holds them, in float32. */
+   (k_cache, v_cache [slots, KVH, D], float32, or bfloat16 where kv_bf16). */
 void rope_store(const uint16_t *qkv, const float *bias, const float *cos_t, const float *sin_t,
-                const int64_t *slots, void *k_cache, void *v_cache, float *q_out, float *k_out,
-                float *v_out, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R, int64_t kv_bf16) {
+                const int64_t *slots, void *k_cache, void *v_cache, float *q_out,
+                int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R, int64_t kv_bf16) {
     const int64_t width = (H + 2 * KVH) * D, half = R / 2;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -119,8 +115,8 @@ void rope_store(const uint16_t *qkv, const float *bias, const float *cos_t, cons
         }
         memcpy(q_out + t * H * D, row, sizeof(float) * H * D);
         const int64_t kv = KVH * D;
-        store_row(k_cache, slots[t] * kv, row + H * D, kv, kv_bf16, k_out ? k_out + t * kv : 0);
-        store_row(v_cache, slots[t] * kv, row + (H + KVH) * D, kv, kv_bf16, v_out ? v_out + t * kv : 0);
+        store_row(k_cache, slots[t] * kv, row + H * D, kv, kv_bf16);
+        store_row(v_cache, slots[t] * kv, row + (H + KVH) * D, kv, kv_bf16);
     }
 }
 """
@@ -140,7 +136,7 @@ def load() -> Optional[ctypes.CDLL]:
         if lib is not None:
             lib.add_rms_norm.argtypes = [_P] * 4 + [_I, _I, ctypes.c_float]
             lib.silu_mul.argtypes = [_P, _P, _I, _I]
-            lib.rope_store.argtypes = [_P] * 10 + [_I] * 6
+            lib.rope_store.argtypes = [_P] * 8 + [_I] * 6
             for fn in (lib.add_rms_norm, lib.silu_mul, lib.rope_store):
                 fn.restype = None
         _lib, _loaded = lib, True
@@ -171,13 +167,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-               slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-               with_kv: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+               slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
     """`qkv` `[T, (H + 2 KVH) * D]` bfloat16 (+ `bias`) -> q `[T, H, D]` float32, rotated; k
     (rotated) and v written into the pools `[blocks, block_size, KVH, D]` (float32 or bfloat16) at
-    `slots` `[T]` (int64), and returned `[T, KVH, D]` float32 as the pool holds them when
-    `with_kv` (else None). `cos`/`sin`: the
-    rows' RoPE tables `[T, ..., R]` float32, R <= D rotary dims."""
+    `slots` `[T]` (int64), where the attention kernel reads them. `cos`/`sin`: the rows' RoPE tables
+    `[T, ..., R]` float32, R <= D rotary dims."""
     kv_heads, dim = k_cache.shape[-2:]
     rows = qkv.shape[0]
     rotary = cos.shape[-1]
@@ -188,9 +182,7 @@ def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tenso
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     cos, sin, slots = cos.reshape(rows, rotary).contiguous(), sin.reshape(rows, rotary).contiguous(), slots.contiguous()
     q = torch.empty(rows, num_heads, dim)
-    k = torch.empty(rows, kv_heads, dim) if with_kv else None
-    v = torch.empty(rows, kv_heads, dim) if with_kv else None
     load().rope_store(qkv.data_ptr(), _ptr(bias), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                      k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), _ptr(k), _ptr(v),
+                      k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
                       rows, num_heads, kv_heads, dim, rotary, int(k_cache.dtype == torch.bfloat16))
-    return q, k, v
+    return q

@@ -70,9 +70,9 @@ class FusedCpuLayer:
     def __call__(self, x, cos, sin, kv_cache, attention, meta) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         h = cpu_fused_ops.add_rms_norm(x, None, self.input_norm, self.eps)
-        q, k, v = cpu_fused_ops.rope_store(self.qkv.linear_bf16(h), self.qkv_bias, cos, sin, meta.slot_mapping,
-                                           k_cache, v_cache, self.num_heads, with_kv=bool(meta.prefills))
-        out = attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        q = cpu_fused_ops.rope_store(self.qkv.linear_bf16(h), self.qkv_bias, cos, sin, meta.slot_mapping,
+                                     k_cache, v_cache, self.num_heads)
+        out = attention.forward(q, None, None, k_cache, v_cache, meta, self.scale)   # K/V read from the pool
         h = cpu_fused_ops.add_rms_norm(x, self.o.linear_bf16(out.reshape(-1, self.q_size).to(torch.bfloat16)),
                                        self.post_norm, self.post_eps)
         return x.add_(self.down.linear_bf16(cpu_fused_ops.silu_mul(self.gate_up.linear_bf16(h))))
