@@ -92,11 +92,14 @@ static inline void store_row(void *pool, int64_t at, const float *x, int64_t n, 
 }
 
 /* qkv [T, (H + 2 KVH) * D] bf16 (+ bias [(H + 2 KVH) * D] float32 or NULL); cos, sin [T, R]
-   (R rotary dims, the first R of each head; cos/sin repeat their halves). q and k heads rotated
+   (R rotary dims, the first R of each head; cos/sin repeat their halves). Where q_norm and k_norm
+   ([D] float32 each) are given, every q and k head is RMS-normalised with them first (Qwen3's
+   per-head norms before RoPE: w * x / sqrt(mean(x^2) + qk_eps)). q and k heads rotated
    (x * cos + rotate_half(x) * sin); q -> q_out [T, H, D]; k, v -> the pool at slots[t]
    (k_cache, v_cache [slots, KVH, D], float32, or bfloat16 where kv_bf16). */
 void rope_store(const uint16_t *qkv, const float *bias, const float *cos_t, const float *sin_t,
                 const int64_t *slots, void *k_cache, void *v_cache, float *q_out,
+                const float *q_norm, const float *k_norm, float qk_eps,
                 int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R, int64_t kv_bf16) {
     const int64_t width = (H + 2 * KVH) * D, half = R / 2;
     #pragma omp parallel for schedule(static)
@@ -107,6 +110,13 @@ void rope_store(const uint16_t *qkv, const float *bias, const float *cos_t, cons
         const float *c = cos_t + t * R, *s = sin_t + t * R;
         for (int64_t head = 0; head < H + KVH; head++) {
             float *x = row + head * D, rot[R];
+            const float *w = head < H ? q_norm : k_norm;
+            if (w) {
+                float ss = 0.f;
+                for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+                const float inv = 1.f / sqrtf(ss / (float)D + qk_eps);
+                for (int64_t i = 0; i < D; i++) x[i] = w[i] * (x[i] * inv);
+            }
             for (int64_t i = 0; i < half; i++) {
                 rot[i] = x[i] * c[i] - x[i + half] * s[i];
                 rot[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
@@ -136,7 +146,7 @@ def load() -> Optional[ctypes.CDLL]:
         if lib is not None:
             lib.add_rms_norm.argtypes = [_P] * 4 + [_I, _I, ctypes.c_float]
             lib.silu_mul.argtypes = [_P, _P, _I, _I]
-            lib.rope_store.argtypes = [_P] * 8 + [_I] * 6
+            lib.rope_store.argtypes = [_P] * 10 + [ctypes.c_float] + [_I] * 6
             for fn in (lib.add_rms_norm, lib.silu_mul, lib.rope_store):
                 fn.restype = None
         _lib, _loaded = lib, True
@@ -167,11 +177,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-               slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+               slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
+               qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
     """`qkv` `[T, (H + 2 KVH) * D]` bfloat16 (+ `bias`) -> q `[T, H, D]` float32, rotated; k
     (rotated) and v written into the pools `[blocks, block_size, KVH, D]` (float32 or bfloat16) at
     `slots` `[T]` (int64), where the attention kernel reads them. `cos`/`sin`: the rows' RoPE tables
-    `[T, ..., R]` float32, R <= D rotary dims."""
+    `[T, ..., R]` float32, R <= D rotary dims. `qk_norm`: (q weight, k weight `[D]` float32, eps),
+    an RMSNorm of every q and k head before RoPE (Qwen3)."""
     kv_heads, dim = k_cache.shape[-2:]
     rows = qkv.shape[0]
     rotary = cos.shape[-1]
@@ -181,8 +193,11 @@ def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tenso
     assert slots.dtype == torch.int64 and cos.dtype == sin.dtype == torch.float32 and rotary % 2 == 0
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     cos, sin, slots = cos.reshape(rows, rotary).contiguous(), sin.reshape(rows, rotary).contiguous(), slots.contiguous()
+    q_norm, k_norm, qk_eps = qk_norm if qk_norm is not None else (None, None, 0.0)
+    for w in (q_norm, k_norm):
+        assert w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.shape == (dim,))
     q = torch.empty(rows, num_heads, dim)
     load().rope_store(qkv.data_ptr(), _ptr(bias), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                      k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(),
+                      k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), _ptr(q_norm), _ptr(k_norm), qk_eps,
                       rows, num_heads, kv_heads, dim, rotary, int(k_cache.dtype == torch.bfloat16))
     return q

@@ -19,7 +19,8 @@ CPU is bound by reading the pool, reads half the bytes.
 
 It runs where every piece fits (``build``): a float32 model on CPU whose projections hold bf16
 weights (engine/layers/cpu_math.py chose or was told bf16), the plain Llama layer (RMSNorm, SiLU,
-no q/k norms, no sliding window or soft-capping; a q/k/v bias is fine, as Qwen2 has), the C
+Qwen3's per-head q/k RMSNorms, no sliding window or soft-capping; a q/k/v bias is fine, as Qwen2
+has), the C
 kernels built, and, per step, the CPU kernel attention backend (whose K/V store this replaces).
 Anything else keeps the torch layer. ``NIGHTSHIFT_CPU_FUSED_OPS=0`` turns it off.
 """
@@ -65,13 +66,16 @@ class FusedCpuLayer:
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         bias = attn.qkv_proj.bias
         self.qkv_bias = None if bias is None else bias.detach().float().contiguous()
+        self.qk_norm = None if attn.q_norm is None else (
+            attn.q_norm.weight.detach().float().contiguous(), attn.k_norm.weight.detach().float().contiguous(),
+            attn.q_norm.eps)
         self.num_heads, self.q_size, self.scale = attn.num_heads, attn.q_size, attn.scale
 
     def __call__(self, x, cos, sin, kv_cache, attention, meta) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         h = cpu_fused_ops.add_rms_norm(x, None, self.input_norm, self.eps)
         q = cpu_fused_ops.rope_store(self.qkv.linear_bf16(h), self.qkv_bias, cos, sin, meta.slot_mapping,
-                                     k_cache, v_cache, self.num_heads)
+                                     k_cache, v_cache, self.num_heads, self.qk_norm)
         out = attention.forward(q, None, None, k_cache, v_cache, meta, self.scale)   # K/V read from the pool
         h = cpu_fused_ops.add_rms_norm(x, self.o.linear_bf16(out.reshape(-1, self.q_size).to(torch.bfloat16)),
                                        self.post_norm, self.post_eps)

@@ -18,7 +18,7 @@ per layer:
 
 The linears are the layer's own modules (dense or INT4, engine/quant), so the weights are shared,
 not copied. It runs where it fits (``build``): a model on CUDA, the plain Llama layer (llama.
-plain_layer: RMSNorm, SiLU, no q/k norms, sliding window or soft-capping; a q/k/v bias is fine),
+plain_layer: RMSNorm, SiLU, no sliding window or soft-capping; a q/k/v bias is fine) without q/k norms,
 and, per step, the Triton attention backend. ``NIGHTSHIFT_GPU_FUSED_OPS=0`` turns it off.
 """
 from __future__ import annotations
@@ -64,8 +64,8 @@ def build(model, plain: Callable[[object], bool]) -> Optional[list[FusedGpuLayer
     a layer is the plain Llama layer (the model's own judgement: llama.plain_layer)."""
     if os.environ.get(ENV, "1") == "0" or model.embed_tokens.device.type != "cuda":
         return None
-    if not model.layers or not all(plain(layer) for layer in model.layers):
-        return None
+    if not model.layers or not all(plain(layer) and layer.self_attn.q_norm is None for layer in model.layers):
+        return None                         # (q/k norms, Qwen3's: not in these kernels)
     try:
         from nightshift.engine.kernels import gpu_fused_ops
     except ImportError:                     # no Triton here

@@ -206,14 +206,15 @@ class DecoderLayer(nn.Module):
 
 def plain_layer(layer: nn.Module) -> bool:
     """Whether `layer` is this module's own decoder layer with nothing another architecture or
-    config changes (RMSNorm, SiLU, no q/k norms, no sliding window or soft-capping): the shape
-    models/fused_cpu_layer.py runs as fused kernels."""
+    config changes (RMSNorm, SiLU, no sliding window or soft-capping; q/k norms only as Qwen3's
+    per-head RMSNorm): the shape models/fused_cpu_layer.py runs as fused kernels
+    (models/fused_gpu_layer.py: without q/k norms)."""
     if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
         return False
     attn = layer.self_attn
+    qk_norms = attn.q_norm is None or (type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm)
     return (type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
-            and layer.mlp.activation is F.silu and attn.q_norm is None and attn.window is None
-            and attn.softcap is None)
+            and layer.mlp.activation is F.silu and qk_norms and attn.window is None and attn.softcap is None)
 
 
 class LlamaForCausalLM(nn.Module):

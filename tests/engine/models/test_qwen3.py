@@ -46,6 +46,38 @@ def test_engine_batch_prefix_cache_chunked_matches_hf(tiny):
     check_engine(ours, reference)
 
 
+def test_fused_bf16_layers_apply_the_qk_norms(tiny):
+    """On the bf16 CPU math the Qwen3 layer runs as the fused C layer (models/fused_cpu_layer.py:
+    the per-head q/k RMSNorms inside rope_store); its logits follow HF float32 as closely as the
+    torch layers on the same bf16 math do, and with the q/k norms left out they would not."""
+    from nightshift.engine.kernels import cpu_fused_ops
+    from nightshift.engine.model_runner import ModelRunner
+    from nightshift.engine.step import StepItem
+    if cpu_fused_ops.load() is None:
+        pytest.skip("no C compiler: the torch layers run")
+    reference, folder, _ = tiny
+    bf16 = load_model(folder, cpu_math="bf16")
+    assert bf16.fused_layers is not None and bf16.fused_layers[0].qk_norm is not None
+    ids = prompt(40, 3)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0, -1]
+    runner = ModelRunner(bf16, num_kv_blocks=8, block_size=16)
+
+    def last_logits(layers):
+        saved, bf16.fused_layers = bf16.fused_layers, layers
+        try:
+            return runner.execute([StepItem(ids, 0, [0, 1, 2])])[0]
+        finally:
+            bf16.fused_layers = saved
+
+    fused, torch_layers = last_logits(bf16.fused_layers), last_logits(None)
+    err_fused, err_torch = (fused - expected).abs().max().item(), (torch_layers - expected).abs().max().item()
+    assert err_fused <= 1.5 * err_torch + 1e-3, (err_fused, err_torch)
+    for layer in bf16.fused_layers:
+        layer.qk_norm = None                  # what ignoring the norms would give: far off
+    assert (last_logits(bf16.fused_layers) - expected).abs().max().item() > 10 * err_fused
+
+
 def test_int4_load_runs(tiny, tmp_path):
     _, folder, _ = tiny
     check_int4(folder, tmp_path, prompt(20, 2))
