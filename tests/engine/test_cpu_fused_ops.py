@@ -35,6 +35,33 @@ def test_add_rms_norm_adds_the_residual_in_place_and_normalises_to_bf16(with_del
     assert within_one_bf16_step(out, expected)
 
 
+def test_add_rms_norm_with_a_post_norm_on_the_delta_and_without_an_output():
+    """Gemma's sandwich norm: x += post_w * rms_norm(delta), then (optionally) the next pre-norm."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(9, 128, generator=g) * 3
+    delta = (torch.randn(9, 128, generator=g) * 7).to(torch.bfloat16)
+    post, pre = torch.rand(128, generator=g) + 0.5, torch.rand(128, generator=g) + 0.5
+    expected_x = x + post * F.rms_norm(delta.float(), (128,), eps=1e-6)
+    y = x.clone()
+    out = cpu_fused_ops.add_rms_norm(y, delta, pre, 1e-6, delta_weight=post)
+    torch.testing.assert_close(y, expected_x, rtol=1e-6, atol=1e-5)
+    assert within_one_bf16_step(out, (pre * F.rms_norm(y, (128,), eps=1e-6)).to(torch.bfloat16))
+    z = x.clone()
+    assert cpu_fused_ops.add_rms_norm(z, delta, None, 1e-6, delta_weight=post) is None
+    assert torch.equal(z, y)
+
+
+def test_gelu_tanh_mul_of_the_gate_and_up_halves():
+    g = torch.Generator().manual_seed(6)
+    gate_up = (torch.randn(7, 2 * 640, generator=g) * 3).to(torch.bfloat16)
+    gate, up = gate_up.float().split(640, dim=-1)
+    expected = (F.gelu(gate, approximate="tanh") * up).to(torch.bfloat16)
+    out = cpu_fused_ops.gelu_tanh_mul(gate_up)
+    # one bfloat16 step, and near zero (large negative gates: 1 + tanh(..) cancels) 2e-4 absolute
+    assert ((out.float() - expected.float()).abs() <= expected.float().abs() * 2 ** -7 + 2e-4).all()
+    assert (out == expected).float().mean() > 0.95
+
+
 def test_silu_mul_of_the_gate_and_up_halves():
     g = torch.Generator().manual_seed(1)
     gate_up = (torch.randn(19, 2 * 1536, generator=g) * 4).to(torch.bfloat16)

@@ -84,13 +84,13 @@ def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(bf16_model):
 
 def test_the_torch_layers_run_where_a_piece_does_not_fit(bf16_model, fp32_model, monkeypatch):
     assert fp32_model.fused_layers is None                           # float32 math: the torch layers
-    assert fused_cpu_layer.build(bf16_model, plain_layer) is not None
+    assert fused_cpu_layer.build(bf16_model, bf16_model.fused_cpu_form) is not None
     monkeypatch.setenv(fused_cpu_layer.ENV, "0")
-    assert fused_cpu_layer.build(bf16_model, plain_layer) is None
+    assert fused_cpu_layer.build(bf16_model, bf16_model.fused_cpu_form) is None
     monkeypatch.delenv(fused_cpu_layer.ENV)
     layer = bf16_model.layers[0]
     monkeypatch.setattr(layer.self_attn, "window", 64)               # a sliding-window layer
-    assert fused_cpu_layer.build(bf16_model, plain_layer) is None
+    assert fused_cpu_layer.build(bf16_model, bf16_model.fused_cpu_form) is None
     monkeypatch.undo()
     # another attention backend (the torch path): the torch layers, whatever the model holds
     runner = ModelRunner(bf16_model, num_kv_blocks=8, block_size=16, cpu_kernel=False)

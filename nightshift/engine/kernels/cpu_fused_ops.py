@@ -9,12 +9,15 @@ the linears' bfloat16 results and writing the next linear's bfloat16 inputs, wit
 product in float32 as the torch path computes them (values rounded to bfloat16 at the same
 places: a linear's input and output):
 
-* ``add_rms_norm``: the residual stream ``x`` (float32) += a sublayer's bfloat16 result, then
+* ``add_rms_norm``: the residual stream ``x`` (float32) += a sublayer's bfloat16 result (RMS-
+  normalised first where the layer has a post-norm: Gemma's sandwich norms), then
   ``weight * x / rms(x)`` rounded to bfloat16 (the next linear's input);
-* ``rope_store``: the q/k/v projection's bfloat16 result (+ its float32 bias) -> q and k rotated
-  (RoPE, partial rotary included), k and v written into the paged K/V pool at the rows' slots;
-  q (and, for prefill rows, k and v) out as float32 for attention;
-* ``silu_mul``: ``silu(gate) * up`` of the gate/up projection's result, rounded to bfloat16.
+* ``rope_store``: the q/k/v projection's bfloat16 result (+ its float32 bias) -> q and k heads
+  RMS-normalised where the layer has q/k norms (Qwen3, Gemma 3), rotated (RoPE, partial rotary
+  included), k and v written into the paged K/V pool at the rows' slots; q out as float32 for
+  attention, which reads K/V from the pool;
+* ``silu_mul`` / ``gelu_tanh_mul``: ``act(gate) * up`` of the gate/up projection's result, rounded
+  to bfloat16.
 
 Built on first use with the system C compiler through kernels/c_library.py, like the attention
 kernel; ``load()`` is None where that fails, and the model keeps its torch ops
@@ -45,18 +48,29 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* x [T, H] float32 (updated in place when delta != 0: x += delta), delta [T, H] bf16 or NULL,
-   w [H] float32 -> out [T, H] bf16 = w * x * rsqrt(mean(x^2) + eps) */
-void add_rms_norm(float *x, const uint16_t *delta, const float *w, uint16_t *out, int64_t T, int64_t H,
-                  float eps) {
+/* x [T, H] float32, updated in place where delta != NULL: x += delta, or with delta_w [H] float32
+   x += delta_w * delta * rsqrt(mean(delta^2) + eps) (Gemma's post-attention / post-feedforward
+   norms); delta [T, H] bf16. Then, where out != NULL: out [T, H] bf16 = w * x * rsqrt(mean(x^2) + eps). */
+void add_rms_norm(float *x, const uint16_t *delta, const float *delta_w, const float *w, uint16_t *out,
+                  int64_t T, int64_t H, float eps) {
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         float *xt = x + t * H;
         if (delta) {
             const uint16_t *dt = delta + t * H;
-            #pragma omp simd
-            for (int64_t i = 0; i < H; i++) xt[i] += bf16_to_f32(dt[i]);
+            if (delta_w) {
+                float ds = 0.f;
+                #pragma omp simd reduction(+:ds)
+                for (int64_t i = 0; i < H; i++) { const float d = bf16_to_f32(dt[i]); ds += d * d; }
+                const float dinv = 1.f / sqrtf(ds / (float)H + eps);
+                #pragma omp simd
+                for (int64_t i = 0; i < H; i++) xt[i] += delta_w[i] * (bf16_to_f32(dt[i]) * dinv);
+            } else {
+                #pragma omp simd
+                for (int64_t i = 0; i < H; i++) xt[i] += bf16_to_f32(dt[i]);
+            }
         }
+        if (!out) continue;
         float ss = 0.f;
         #pragma omp simd reduction(+:ss)
         for (int64_t i = 0; i < H; i++) ss += xt[i] * xt[i];
@@ -67,16 +81,26 @@ void add_rms_norm(float *x, const uint16_t *delta, const float *w, uint16_t *out
     }
 }
 
-/* gate_up [T, 2I] bf16 (gate first) -> out [T, I] bf16 = silu(gate) * up */
-void silu_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I) {
+/* gate_up [T, 2I] bf16 (gate first) -> out [T, I] bf16 = act(gate) * up, act silu or (gelu != 0)
+   the tanh-approximated gelu (Gemma's GeGLU) */
+void act_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I, int64_t gelu) {
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
         uint16_t *o = out + t * I;
-        #pragma omp simd
-        for (int64_t i = 0; i < I; i++) {
-            const float a = bf16_to_f32(g[i]);
-            o[i] = f32_to_bf16(a / (1.f + expf(-a)) * bf16_to_f32(u[i]));
+        if (gelu) {
+            #pragma omp simd
+            for (int64_t i = 0; i < I; i++) {
+                const float a = bf16_to_f32(g[i]);
+                const float act = 0.5f * a * (1.f + tanhf(0.7978845608028654f * (a + 0.044715f * a * a * a)));
+                o[i] = f32_to_bf16(act * bf16_to_f32(u[i]));
+            }
+        } else {
+            #pragma omp simd
+            for (int64_t i = 0; i < I; i++) {
+                const float a = bf16_to_f32(g[i]);
+                o[i] = f32_to_bf16(a / (1.f + expf(-a)) * bf16_to_f32(u[i]));
+            }
         }
     }
 }
@@ -144,10 +168,10 @@ def load() -> Optional[ctypes.CDLL]:
     if not _loaded:
         lib = load_library("cpu_fused_ops", SOURCE, FLAGS)
         if lib is not None:
-            lib.add_rms_norm.argtypes = [_P] * 4 + [_I, _I, ctypes.c_float]
-            lib.silu_mul.argtypes = [_P, _P, _I, _I]
+            lib.add_rms_norm.argtypes = [_P] * 5 + [_I, _I, ctypes.c_float]
+            lib.act_mul.argtypes = [_P, _P, _I, _I, _I]
             lib.rope_store.argtypes = [_P] * 10 + [ctypes.c_float] + [_I] * 6
-            for fn in (lib.add_rms_norm, lib.silu_mul, lib.rope_store):
+            for fn in (lib.add_rms_norm, lib.act_mul, lib.rope_store):
                 fn.restype = None
         _lib, _loaded = lib, True
     return _lib
@@ -157,23 +181,37 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`x` `[T, H]` float32 += `delta` (bfloat16, or None: x unchanged), in place; returns
-    ``weight * rms_norm(x)`` as bfloat16 `[T, H]`."""
-    assert x.dtype == torch.float32 and x.is_contiguous() and weight.dtype == torch.float32
+def add_rms_norm(x: torch.Tensor, delta: Optional[torch.Tensor], weight: Optional[torch.Tensor], eps: float,
+                 delta_weight: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """`x` `[T, H]` float32 += `delta` (bfloat16, or None: x unchanged), in place, the delta first
+    RMS-normalised and scaled by `delta_weight` where given (Gemma's post-norms); returns
+    ``weight * rms_norm(x)`` as bfloat16 `[T, H]`, or None without a weight."""
+    assert x.dtype == torch.float32 and x.is_contiguous()
     assert delta is None or (delta.dtype == torch.bfloat16 and delta.is_contiguous() and delta.shape == x.shape)
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
-    load().add_rms_norm(x.data_ptr(), _ptr(delta), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps)
+    for w in (weight, delta_weight):
+        assert w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.shape == x.shape[1:])
+    out = None if weight is None else torch.empty(x.shape, dtype=torch.bfloat16)
+    load().add_rms_norm(x.data_ptr(), _ptr(delta), _ptr(delta_weight), _ptr(weight), _ptr(out), x.shape[0],
+                        x.shape[1], eps)
+    return out
+
+
+def _act_mul(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    assert gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous()
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
+    load().act_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, int(gelu))
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`gate_up` `[T, 2I]` bfloat16 (gate, then up) -> ``silu(gate) * up`` `[T, I]` bfloat16."""
-    assert gate_up.dtype == torch.bfloat16 and gate_up.is_contiguous()
-    rows, width = gate_up.shape
-    out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
-    load().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
-    return out
+    return _act_mul(gate_up, gelu=False)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`gate_up` `[T, 2I]` bfloat16 -> ``gelu_tanh(gate) * up`` `[T, I]` bfloat16 (Gemma's GeGLU)."""
+    return _act_mul(gate_up, gelu=True)
 
 
 def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,

@@ -82,24 +82,68 @@ class FusedCpuLayer:
         return x.add_(self.down.linear_bf16(cpu_fused_ops.silu_mul(self.gate_up.linear_bf16(h))))
 
 
-def _fused(layer, plain: Callable[[object], bool]) -> Optional[FusedCpuLayer]:
-    if not plain(layer):
+class FusedGemmaCpuLayer:
+    """A Gemma 2 / Gemma 3 decoder layer (models/gemma.py) through the same kernels: its norms
+    scale by ``1 + w`` (given to the kernels as that float32 weight, as GemmaRMSNorm computes it),
+    the sandwich norms normalise each sublayer's result before the residual add
+    (``add_rms_norm``'s delta weight), GeGLU (``gelu_tanh_mul``), Gemma 3's q/k norms in
+    ``rope_store``, and the layer's sliding window and soft-capping handed to the attention kernel;
+    per layer:
+
+        h = pre_attn_norm(x)
+        q = rope_store(qkv_proj(h)); a = attention(q, window, softcap)
+        x += post_attn_norm(o_proj(a)); h = pre_ff_norm(x)
+        x += post_ff_norm(down_proj(gelu_tanh_mul(gate_up_proj(h))))
+    """
+
+    def __init__(self, layer, qkv, o, gate_up, down):
+        attn = layer.self_attn
+
+        def scale(norm) -> torch.Tensor:
+            return (1.0 + norm.weight.detach().float()).contiguous()
+
+        self.input_norm, self.post_attn_norm = scale(layer.input_layernorm), scale(layer.post_attention_layernorm)
+        self.pre_ff_norm, self.post_ff_norm = scale(layer.pre_feedforward_layernorm), scale(layer.post_feedforward_layernorm)
+        self.eps = layer.input_layernorm.eps
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+        self.qk_norm = None if attn.q_norm is None else (scale(attn.q_norm), scale(attn.k_norm), attn.q_norm.eps)
+        self.num_heads, self.q_size, self.scale = attn.num_heads, attn.q_size, attn.scale
+        self.window, self.softcap = attn.window, attn.softcap
+
+    def __call__(self, x, cos, sin, kv_cache, attention, meta) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        h = cpu_fused_ops.add_rms_norm(x, None, self.input_norm, self.eps)
+        q = cpu_fused_ops.rope_store(self.qkv.linear_bf16(h), None, cos, sin, meta.slot_mapping, k_cache, v_cache,
+                                     self.num_heads, self.qk_norm)
+        out = attention.forward(q, None, None, k_cache, v_cache, meta, self.scale, window=self.window,
+                                softcap=self.softcap)
+        h = cpu_fused_ops.add_rms_norm(x, self.o.linear_bf16(out.reshape(-1, self.q_size).to(torch.bfloat16)),
+                                       self.pre_ff_norm, self.eps, delta_weight=self.post_attn_norm)
+        cpu_fused_ops.add_rms_norm(x, self.down.linear_bf16(cpu_fused_ops.gelu_tanh_mul(self.gate_up.linear_bf16(h))),
+                                   None, self.eps, delta_weight=self.post_ff_norm)
+        return x
+
+
+def _fused(layer, form: Callable[[object], Optional[type]]):
+    kind = form(layer)
+    if kind is None:
         return None
     attn, mlp = layer.self_attn, layer.mlp
-    weights = (_bf16_weight(attn.qkv_proj, True), _bf16_weight(attn.o_proj, False),
+    weights = (_bf16_weight(attn.qkv_proj, kind is FusedCpuLayer), _bf16_weight(attn.o_proj, False),
                _bf16_weight(mlp.gate_up_proj, False), _bf16_weight(mlp.down_proj, False))
     if any(w is None for w in weights):
         return None
-    return FusedCpuLayer(layer, *weights)
+    return kind(layer, *weights)
 
 
-def build(model, plain: Callable[[object], bool]) -> Optional[list[FusedCpuLayer]]:
+def build(model, form: Callable[[object], Optional[type]]) -> Optional[list]:
     """Every layer of `model` in fused form, or None where one does not fit (or the kernels do
-    not build, or NIGHTSHIFT_CPU_FUSED_OPS=0): the model then runs its torch layers. `plain` says
-    whether a layer is the plain Llama layer (the model's own judgement: llama.plain_layer)."""
+    not build, or NIGHTSHIFT_CPU_FUSED_OPS=0): the model then runs its torch layers. `form` gives a
+    layer's fused class (FusedCpuLayer, FusedGemmaCpuLayer) or None: the model's own judgement
+    (LlamaForCausalLM.fused_cpu_form)."""
     if os.environ.get(ENV, "1") == "0" or model.dtype != torch.float32 or model.embed_tokens.device.type != "cpu":
         return None
-    layers = [_fused(layer, plain) for layer in model.layers]
+    layers = [_fused(layer, form) for layer in model.layers]
     if not layers or any(layer is None for layer in layers) or cpu_fused_ops.load() is None:
         return None
     return layers

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nightshift.engine.models import fused_cpu_layer
 from nightshift.engine.models.llama import MLP, Architecture, Attention, LlamaForCausalLM
 
 
@@ -63,6 +64,17 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaForCausalLM(LlamaForCausalLM):
     arch = GemmaArchitecture
     layer_class = GemmaDecoderLayer
+
+    def fused_cpu_form(self, layer: nn.Module):
+        """This module's own layer (Gemma norms, GeGLU, the config's q/k norms, windows and
+        soft-capping) runs as models/fused_cpu_layer.FusedGemmaCpuLayer on the bf16 CPU math."""
+        attn = layer.self_attn
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
+                 layer.post_feedforward_layernorm) if type(layer) is GemmaDecoderLayer else ()
+        own = (type(layer) is GemmaDecoderLayer and type(attn) is Attention and type(layer.mlp) is MLP
+               and all(type(n) is GemmaRMSNorm for n in norms) and layer.mlp.activation is GemmaArchitecture.activation
+               and (attn.q_norm is None or (type(attn.q_norm) is GemmaRMSNorm and type(attn.k_norm) is GemmaRMSNorm)))
+        return fused_cpu_layer.FusedGemmaCpuLayer if own else None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         # as transformers: the float32 scale rounded to the model dtype, then multiplied

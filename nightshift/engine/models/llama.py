@@ -266,9 +266,13 @@ class LlamaForCausalLM(nn.Module):
                            for i in range(config.num_layers)]
         # the same layers as fused C kernels where the CPU's bf16 math and the layer shape allow
         # (models/fused_cpu_layer.py); None: the torch layers always
-        self.fused_layers = fused_cpu_layer.build(self, plain_layer)
+        self.fused_layers = fused_cpu_layer.build(self, self.fused_cpu_form)
         # on CUDA, the same layers with their small ops as Triton kernels (models/fused_gpu_layer.py)
         self.fused_gpu_layers = fused_gpu_layer.build(self, plain_layer)
+
+    def fused_cpu_form(self, layer: nn.Module) -> Optional[type]:
+        """The fused bf16 CPU form of `layer` (models/fused_cpu_layer.py), None where it has none."""
+        return fused_cpu_layer.FusedCpuLayer if plain_layer(layer) else None
 
     @property
     def kv_dtype(self) -> torch.dtype:

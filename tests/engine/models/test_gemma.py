@@ -84,6 +84,43 @@ def test_engine_batch_prefix_cache_chunked_matches_hf(tiny):
     check_engine(ours, reference)
 
 
+def test_fused_bf16_layers_follow_hf_as_the_torch_layers_do(tiny):
+    """On the bf16 CPU math a Gemma layer runs as fused_cpu_layer.FusedGemmaCpuLayer ((1 + w)
+    norms, sandwich norms, GeGLU, Gemma 3's q/k norms; the window and the soft-capping applied by
+    the attention kernel): over two prefill chunks and decode steps past the window its logits
+    stay as close to HF float32 as the torch layers on the same bf16 math; without the window or
+    the soft-capping they would not."""
+    from nightshift.engine.kernels import cpu_fused_ops
+    from nightshift.engine.model_runner import ModelRunner
+    from nightshift.engine.models.fused_cpu_layer import FusedGemmaCpuLayer
+    from nightshift.engine.step import StepItem
+    if cpu_fused_ops.load() is None:
+        pytest.skip("no C compiler: the torch layers run")
+    name, reference, folder, _ = tiny
+    bf16 = load_model(folder, cpu_math="bf16")
+    assert bf16.fused_layers is not None and all(type(f) is FusedGemmaCpuLayer for f in bf16.fused_layers)
+    ids = prompt(50, 4)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    runner = ModelRunner(bf16, num_kv_blocks=8, block_size=16)
+    steps = [(ids[:20], 0), (ids[20:45], 20)] + [([ids[p]], p) for p in range(45, 50)]
+
+    def worst(layers) -> float:
+        saved, bf16.fused_layers = bf16.fused_layers, layers
+        try:
+            return max((runner.execute([StepItem(tokens, start, [0, 1, 2, 3])])[0]
+                        - expected[start + len(tokens) - 1]).abs().max().item() for tokens, start in steps)
+        finally:
+            bf16.fused_layers = saved
+
+    fused, torch_layers = worst(bf16.fused_layers), worst(None)
+    assert fused <= 1.5 * torch_layers + 1e-3, (fused, torch_layers)
+    for layer in bf16.fused_layers:
+        layer.window = None
+        layer.softcap = None
+    assert worst(bf16.fused_layers) > 5 * fused
+
+
 def test_int4_load_runs(tiny, tmp_path):
     _, _, folder, _ = tiny
     check_int4(folder, tmp_path, prompt(20, 2))
