@@ -1,4 +1,5 @@
-"""A Llama-shaped decoder layer on the CPU's bf16 math as a few fused C kernels.
+"""Decoder layers on the CPU's bf16 math as a few fused C kernels: the Llama-shaped layer
+(FusedCpuLayer) and Gemma 2/3's (FusedGemmaCpuLayer).
 
 The torch layer (llama.DecoderLayer) with the bf16 CPU math casts every linear's input to
 bfloat16 and its result back to float32, and runs its norms, RoPE, K/V store and SiLU-and-mul as
@@ -8,19 +9,19 @@ to bfloat16 only where the torch path does (a linear's input and output), so bot
 answers up to float32 summation order; per layer:
 
     h = add_rms_norm(x)                         the residual stream x stays float32
-    q, k, v = rope_store(qkv_proj(h))           k, v written into the K/V pool
-    a = attention(q)                            the backend's (the C paged kernel for decode rows)
+    q = rope_store(qkv_proj(h))                 (q/k norms,) RoPE; k, v written into the K/V pool
+    a = attention(q)                            the C paged kernel, K/V read from the pool
     h = add_rms_norm(x += o_proj(a))
     x += down_proj(silu_mul(gate_up_proj(h)))
 
 The runner's K/V pool holds bfloat16 under these layers (``LlamaForCausalLM.kv_dtype``): K and
-V are rounded once as they are stored, as a bfloat16 model's are, and decode attention, which on
-CPU is bound by reading the pool, reads half the bytes.
+V are rounded once as they are stored, as a bfloat16 model's are, and attention, which on CPU is
+bound by reading the pool, reads half the bytes.
 
-It runs where every piece fits (``build``): a float32 model on CPU whose projections hold bf16
-weights (engine/layers/cpu_math.py chose or was told bf16), the plain Llama layer (RMSNorm, SiLU,
-Qwen3's per-head q/k RMSNorms, no sliding window or soft-capping; a q/k/v bias is fine, as Qwen2
-has), the C
+It runs where every piece fits (``build``): a float32 model on CPU whose projections compute
+bfloat16 in and out (dense bf16 weights: engine/layers/cpu_math.py chose or was told bf16; or
+INT4 layers on that math), every layer of a form the model class names (``fused_cpu_form``: the
+plain Llama layer, with Qwen3's per-head q/k RMSNorms or Qwen2's q/k/v bias; Gemma's layer), the C
 kernels built, and, per step, the CPU kernel attention backend (whose K/V store this replaces).
 Anything else keeps the torch layer. ``NIGHTSHIFT_CPU_FUSED_OPS=0`` turns it off.
 """
