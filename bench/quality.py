@@ -155,8 +155,8 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
     prompts = [tokenizer.apply_chat_template(m) for m in quality_prompts(num_prompts)]
     start = time.perf_counter()
     fp_model = _load(model, None, cache_dir)
-    # the INT4 models' layers are Int4Linear, which the fused bf16 CPU layers (and their bfloat16
-    # K/V pool) do not take: the reference runs the same torch layers, so only the weights differ
+    # the reference and every INT4 model run the torch layers (not the fused bf16 CPU layers and
+    # their bfloat16 K/V pool), so that only the weights differ between them
     fp_model.fused_layers = None
     fp_tokens, fp_logprobs = _Stepper(fp_model, prompts, new_tokens).run(new_tokens)
     log(f"fp: {len(prompts)} prompts x {new_tokens} tokens in {time.perf_counter() - start:.1f}s")
@@ -167,6 +167,7 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
             continue
         t0 = time.perf_counter()
         int4_model = _load(model, config, cache_dir)
+        int4_model.fused_layers = None
         log(f"{variant}: loaded in {time.perf_counter() - t0:.1f}s")
         stored, dense = quantized_layer_bytes(int4_model)
         groups = sorted({m.group_size for m in int4_model.modules() if isinstance(m, Int4Linear)})
