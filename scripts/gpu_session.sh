@@ -9,8 +9,8 @@
 #   kernels        kernel + INT4 Triton + CUDA-graph tests compiled on the GPU (bf16 cases included)
 #   int4-kernels   our INT4 kernels (as the dispatcher chooses them) vs cuBLAS bf16 and tinygemm per M,
 #                  8B layer shapes, with each shape's chosen configuration and runners-up
-#   roofline-8b    decode MBU (batch 1..256) and prefill MFU (2k) of an 8B-shaped model, INT4 (CUDA graphs,
-#                  then eager) and bf16
+#   roofline-8b    decode MBU (batch 1..256) and prefill MFU (2k) of an 8B-shaped model, INT4 (CUDA graphs, with
+#                  a kernel profile of batch 1 and 256) and bf16
 #   bench-8b       engine vs HF generate on the standard workload, 8B-shaped INT4 (random weights)
 #   greedy         greedy tokens vs HF on the default model (bf16, fp32, int4 report)
 #   bench-default  engine vs HF generate on the standard workload, default model, INT4 and bf16
@@ -52,7 +52,7 @@ for s in "$@"; do
     int4-kernels) stage int4-kernels 100 $PY -m bench.quant_kernels --device cuda --shapes llama-8b ;;
     roofline-8b)
       stage roofline-8b 200 $PY -m bench.roofline_bench --dummy-weights llama-8b --quantization int4 --device cuda \
-        --dtype bfloat16 --batch-sizes 1,16,64,256 --context 512 --prefill-len 2048 --steps 30 --compare-eager
+        --dtype bfloat16 --batch-sizes 1,16,64,256 --context 512 --prefill-len 2048 --steps 30 --profile 1,256
       stage roofline-8b 120 $PY -m bench.roofline_bench --dummy-weights llama-8b --quantization none --device cuda \
         --dtype bfloat16 --batch-sizes 1,64,256 --context 512 --prefill-len 2048 --steps 30 ;;
     bench-8b) stage bench-8b 300 $PY -m bench.engine --device cuda --dummy-weights llama-8b --tokenizer "$TOKENIZER" \
