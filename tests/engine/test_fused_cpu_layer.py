@@ -10,7 +10,6 @@ from nightshift.engine.kernels import cpu_fused_ops
 from nightshift.engine.layers import cpu_math
 from nightshift.engine.model_runner import ModelRunner
 from nightshift.engine.models import fused_cpu_layer
-from nightshift.engine.models.llama import plain_layer
 from nightshift.engine.step import StepItem
 
 pytestmark = [pytest.mark.slow,
