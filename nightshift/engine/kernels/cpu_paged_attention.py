@@ -118,7 +118,8 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                 const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
                 /* the blocks are scattered through the pool: start the next block's K, and this
                    block's V (read after the exp pass, into L2), on their way while this block's
-                   scores are computed (~8% on 256 rows of ~300 positions, 2-core AVX-512 EPYC) */
+                   scores are computed (~8% on a call of 256 rows of ~300 positions, timed alone on a
+                   2-core AVX-512 EPYC; under 1% of bench.engine's run) */
                 if (b + 1 < nb) prefetch_block(k_cache + (int64_t)tab[b + 1] * bs * row, bs * row * sizeof(kv_t), 0);
                 prefetch_block(v_cache + (int64_t)tab[b] * bs * row, cnt * row * sizeof(kv_t), 1);
                 for (int64_t h = 0; h < KVH; h++) {
