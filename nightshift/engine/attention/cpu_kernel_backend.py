@@ -37,7 +37,6 @@ class KernelRows:
 @dataclass
 class CpuKernelMetadata(StepMetadata):
     rows: Optional[KernelRows] = None       # None: an empty step
-    prefills: bool = False                  # whether any item is a prefill chunk (decode rows come first)
 
 
 class CpuKernelAttention(AttentionBackend):
@@ -47,8 +46,7 @@ class CpuKernelAttention(AttentionBackend):
         decode = decode_indices(items)
         decode_set = set(decode)
         order = decode + [i for i in range(len(items)) if i not in decode_set]
-        meta = CpuKernelMetadata(item_order=order, slot_mapping=torch.empty(0, dtype=torch.long),
-                                 prefills=len(decode) < len(items))
+        meta = CpuKernelMetadata(item_order=order, slot_mapping=torch.empty(0, dtype=torch.long))
         if not items:
             return meta
         counts = torch.tensor([len(items[i].token_ids) for i in order], dtype=torch.long)
