@@ -54,36 +54,57 @@ def _bf16_weight(module, bias_allowed: bool):
     return None
 
 
-class FusedCpuLayer:
-    """One decoder layer's weights, run through the fused kernels (``__call__`` is the layer's
-    forward: the residual stream `x` is updated in place and returned)."""
+def _weight(norm) -> torch.Tensor:
+    """An RMSNorm's scale as the kernels take it: float32, contiguous."""
+    return norm.weight.detach().float().contiguous()
 
-    def __init__(self, layer, qkv, o, gate_up, down):
+
+def _gemma_weight(norm) -> torch.Tensor:
+    """A GemmaRMSNorm's scale ``1 + w``, computed in float32 as GemmaRMSNorm does."""
+    return (1.0 + norm.weight.detach().float()).contiguous()
+
+
+class _FusedLayer:
+    """What both forms share: the four projections (``linear_bf16``), and the attention block from
+    the normed input to o_proj's bfloat16 result (q/k norms, RoPE and the K/V store in
+    ``rope_store``; the layer's window and soft-capping in the attention kernel)."""
+
+    def __init__(self, layer, qkv, o, gate_up, down, norm_weight):
         attn = layer.self_attn
-        self.input_norm = layer.input_layernorm.weight.detach().contiguous()
-        self.post_norm = layer.post_attention_layernorm.weight.detach().contiguous()
-        self.eps = layer.input_layernorm.eps
-        self.post_eps = layer.post_attention_layernorm.eps
         self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
         bias = attn.qkv_proj.bias
         self.qkv_bias = None if bias is None else bias.detach().float().contiguous()
-        self.qk_norm = None if attn.q_norm is None else (
-            attn.q_norm.weight.detach().float().contiguous(), attn.k_norm.weight.detach().float().contiguous(),
-            attn.q_norm.eps)
+        self.qk_norm = None if attn.q_norm is None else (norm_weight(attn.q_norm), norm_weight(attn.k_norm),
+                                                         attn.q_norm.eps)
         self.num_heads, self.q_size, self.scale = attn.num_heads, attn.q_size, attn.scale
+        self.window, self.softcap = attn.window, attn.softcap
 
-    def __call__(self, x, cos, sin, kv_cache, attention, meta) -> torch.Tensor:
+    def attend(self, h, cos, sin, kv_cache, attention, meta) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        h = cpu_fused_ops.add_rms_norm(x, None, self.input_norm, self.eps)
         q = cpu_fused_ops.rope_store(self.qkv.linear_bf16(h), self.qkv_bias, cos, sin, meta.slot_mapping,
                                      k_cache, v_cache, self.num_heads, self.qk_norm)
-        out = attention.forward(q, None, None, k_cache, v_cache, meta, self.scale)   # K/V read from the pool
-        h = cpu_fused_ops.add_rms_norm(x, self.o.linear_bf16(out.reshape(-1, self.q_size).to(torch.bfloat16)),
-                                       self.post_norm, self.post_eps)
+        out = attention.forward(q, None, None, k_cache, v_cache, meta, self.scale,   # K/V read from the pool
+                                window=self.window, softcap=self.softcap)
+        return self.o.linear_bf16(out.reshape(-1, self.q_size).to(torch.bfloat16))
+
+
+class FusedCpuLayer(_FusedLayer):
+    """One Llama-shaped decoder layer run through the fused kernels (``__call__`` is the layer's
+    forward: the residual stream `x` is updated in place and returned)."""
+
+    def __init__(self, layer, qkv, o, gate_up, down):
+        super().__init__(layer, qkv, o, gate_up, down, _weight)
+        self.input_norm, self.post_norm = _weight(layer.input_layernorm), _weight(layer.post_attention_layernorm)
+        self.eps, self.post_eps = layer.input_layernorm.eps, layer.post_attention_layernorm.eps
+
+    def __call__(self, x, cos, sin, kv_cache, attention, meta) -> torch.Tensor:
+        h = cpu_fused_ops.add_rms_norm(x, None, self.input_norm, self.eps)
+        h = cpu_fused_ops.add_rms_norm(x, self.attend(h, cos, sin, kv_cache, attention, meta), self.post_norm,
+                                       self.post_eps)
         return x.add_(self.down.linear_bf16(cpu_fused_ops.silu_mul(self.gate_up.linear_bf16(h))))
 
 
-class FusedGemmaCpuLayer:
+class FusedGemmaCpuLayer(_FusedLayer):
     """A Gemma 2 / Gemma 3 decoder layer (models/gemma.py) through the same kernels: its norms
     scale by ``1 + w`` (given to the kernels as that float32 weight, as GemmaRMSNorm computes it),
     the sandwich norms normalise each sublayer's result before the residual add
@@ -98,28 +119,17 @@ class FusedGemmaCpuLayer:
     """
 
     def __init__(self, layer, qkv, o, gate_up, down):
-        attn = layer.self_attn
-
-        def scale(norm) -> torch.Tensor:
-            return (1.0 + norm.weight.detach().float()).contiguous()
-
-        self.input_norm, self.post_attn_norm = scale(layer.input_layernorm), scale(layer.post_attention_layernorm)
-        self.pre_ff_norm, self.post_ff_norm = scale(layer.pre_feedforward_layernorm), scale(layer.post_feedforward_layernorm)
+        super().__init__(layer, qkv, o, gate_up, down, _gemma_weight)
+        self.input_norm = _gemma_weight(layer.input_layernorm)
+        self.post_attn_norm = _gemma_weight(layer.post_attention_layernorm)
+        self.pre_ff_norm = _gemma_weight(layer.pre_feedforward_layernorm)
+        self.post_ff_norm = _gemma_weight(layer.post_feedforward_layernorm)
         self.eps = layer.input_layernorm.eps
-        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
-        self.qk_norm = None if attn.q_norm is None else (scale(attn.q_norm), scale(attn.k_norm), attn.q_norm.eps)
-        self.num_heads, self.q_size, self.scale = attn.num_heads, attn.q_size, attn.scale
-        self.window, self.softcap = attn.window, attn.softcap
 
     def __call__(self, x, cos, sin, kv_cache, attention, meta) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
         h = cpu_fused_ops.add_rms_norm(x, None, self.input_norm, self.eps)
-        q = cpu_fused_ops.rope_store(self.qkv.linear_bf16(h), None, cos, sin, meta.slot_mapping, k_cache, v_cache,
-                                     self.num_heads, self.qk_norm)
-        out = attention.forward(q, None, None, k_cache, v_cache, meta, self.scale, window=self.window,
-                                softcap=self.softcap)
-        h = cpu_fused_ops.add_rms_norm(x, self.o.linear_bf16(out.reshape(-1, self.q_size).to(torch.bfloat16)),
-                                       self.pre_ff_norm, self.eps, delta_weight=self.post_attn_norm)
+        h = cpu_fused_ops.add_rms_norm(x, self.attend(h, cos, sin, kv_cache, attention, meta), self.pre_ff_norm,
+                                       self.eps, delta_weight=self.post_attn_norm)
         cpu_fused_ops.add_rms_norm(x, self.down.linear_bf16(cpu_fused_ops.gelu_tanh_mul(self.gate_up.linear_bf16(h))),
                                    None, self.eps, delta_weight=self.post_ff_norm)
         return x

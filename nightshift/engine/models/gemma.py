@@ -68,11 +68,13 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def fused_cpu_form(self, layer: nn.Module):
         """This module's own layer (Gemma norms, GeGLU, the config's q/k norms, windows and
         soft-capping) runs as models/fused_cpu_layer.FusedGemmaCpuLayer on the bf16 CPU math."""
+        if type(layer) is not GemmaDecoderLayer:
+            return None
         attn = layer.self_attn
         norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
-                 layer.post_feedforward_layernorm) if type(layer) is GemmaDecoderLayer else ()
-        own = (type(layer) is GemmaDecoderLayer and type(attn) is Attention and type(layer.mlp) is MLP
-               and all(type(n) is GemmaRMSNorm for n in norms) and layer.mlp.activation is GemmaArchitecture.activation
+                 layer.post_feedforward_layernorm)
+        own = (type(attn) is Attention and type(layer.mlp) is MLP and all(type(n) is GemmaRMSNorm for n in norms)
+               and layer.mlp.activation is GemmaArchitecture.activation
                and (attn.q_norm is None or (type(attn.q_norm) is GemmaRMSNorm and type(attn.k_norm) is GemmaRMSNorm)))
         return fused_cpu_layer.FusedGemmaCpuLayer if own else None
 
