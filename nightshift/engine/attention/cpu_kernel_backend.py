@@ -10,8 +10,9 @@ context with a causal mask (TorchAttention's prefill spans), one layer's attenti
 on a 2-core AVX-512 EPYC (an ad-hoc timing, not a bench command) took 0.21 / 1.08 / 3.03 ms for a
 chunk of 64 / 256 / 512 tokens after 208 cached ones against 0.34 / 1.97 / 5.19, and 6.2 ms for a
 fresh 1024-token prompt against SDPA's causal 10.4 ms (float32 queries, bfloat16 pool); `python -m
-bench.runner`'s 256-token prefill chunk went 131 -> 107 ms. A row's result depends on that row alone, prefill rows included. CPU and float32 only; the
-selection (engine/attention/__init__.py) checks `cpu_paged_attention.supports` first.
+bench.runner`'s 256-token prefill chunk went 131 -> 107 ms. A row's result depends on that row
+alone, prefill rows included. CPU and float32 only; the selection (engine/attention/__init__.py)
+checks `cpu_paged_attention.supports` first.
 """
 from __future__ import annotations
 
