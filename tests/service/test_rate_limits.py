@@ -73,11 +73,13 @@ def test_unreachable_redis_lets_requests_through():
 
 @pytest.fixture
 def limited_api(pg_url, s3_server, tmp_path):
-    """The API as uvicorn with two workers, rate limits in Redis: 4 requests a second per key,
-    a burst of 6; refusals answered at once (no hold: the test counts them)."""
+    """The API as uvicorn with two workers, rate limits in Redis: 2 requests a second per key,
+    a burst of 6; refusals answered at once (no hold: the test counts them). A token comes back
+    every 0.5 s: slow enough that a loaded machine does not refill the bucket between a refusal
+    and the request the test expects to be refused next."""
     redis.Redis.from_url(REDIS_URL).flushdb()
     env = service_env(tmp_path, database_url=pg_url, broker_url="redis://127.0.0.1:6379/7",
-                      rate_limit_redis_url=REDIS_URL, rate_limit_key_rps=4, rate_limit_key_burst=6,
+                      rate_limit_redis_url=REDIS_URL, rate_limit_key_rps=2, rate_limit_key_burst=6,
                       rate_limit_hold_seconds=0,
                       **s3_env(s3_server, new_bucket(s3_server)))
     service = Service(env, tmp_path)
@@ -116,13 +118,19 @@ def test_over_the_limit_is_429_in_openai_shape_across_two_workers(limited_api):
     assert refused.json()["error"]["code"] == "rate_limit_exceeded" and refused.json()["error"]["type"] == "requests"
 
     impatient = openai_client(base, key)                          # max_retries=0
+    patient = openai.OpenAI(base_url=base, api_key=key, max_retries=3)
+
+    def empty_the_bucket() -> httpx.Response:
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}) as http:
+            while (last := http.get("/batches")).status_code != 429:
+                pass
+        return last
+
+    empty_the_bucket()
     with pytest.raises(openai.RateLimitError) as caught:
         impatient.batches.list()
     assert caught.value.code == "rate_limit_exceeded"
-    patient = openai.OpenAI(base_url=base, api_key=key, max_retries=3)
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}) as http:
-        while (last := http.get("/batches")).status_code != 429:      # empty the bucket again
-            pass
+    last = empty_the_bucket()
     started = time.monotonic()
     assert patient.batches.list().data == []                      # waited Retry-After, then got through
     assert time.monotonic() - started >= 0.8 * int(last.headers["retry-after-ms"]) / 1000
