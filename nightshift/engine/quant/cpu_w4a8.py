@@ -1,0 +1,254 @@
+"""INT4 weights x int8 activations on the CPU (W4A8, as llama.cpp's Q4 x Q8_0): a C kernel of ours.
+
+The weight stays 4-bit in memory, repacked once at load (``W4A8Weight``); each call quantizes its
+activations to int8 in blocks of 32 input channels (one float32 scale per row and block, the
+block's absolute maximum mapped to 127, as GGUF's Q8_0) and multiplies 4-bit x int8 in integers:
+
+    y[i, n] = sum_b  sw[n, g(b)] * dx[i, b] * sum_{k in b} q[n, k] * xq[i, k]      (integer dot)
+            + sum_g  min[n, g] * sum_{k in g} x[i, k]                               (exact float sums)
+
+The integer dot is AVX2's ``vpmaddubsw`` (unsigned 4-bit weight x signed int8 activation, pairs
+summed into int16: 16 products of one block fit an int16 lane exactly, at most 16 * 15 * 127),
+``vpmaddwd`` by ones into int32 once per block, then one float multiply-add per block with the
+product of the two scales. A register tile of 4 rows x 16 outputs reuses every unpacked weight
+vector for 4 rows and every broadcast activation word for 16 outputs. The rows are padded to a
+multiple of 4 and the outputs to 16 (zero weights) inside the kernel's buffers.
+
+Packed layout (``pack``): for each 8 outputs and each block of 32 input channels, 128 bytes as four
+32-byte vectors; vector ``L`` holds, for output ``o`` and byte ``j`` (0..3), the weight of input
+channel ``4L + j`` in the low nibble and ``16 + 4L + j`` in the high nibble, so a mask and a shift
+give two vectors of [8 outputs x 4 channels] bytes, ``vpmaddubsw``'s operand against four
+activation bytes broadcast to every lane. Scales and mins are float32 ``[N/8, K/G, 8]``.
+
+Needs AVX2 and FMA (``available``); every INT4 weight fits (its groups, 32, 64 or 128 channels,
+are whole blocks, and K a whole number of groups).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from nightshift.engine.cpu_features import cpu_flags
+from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
+from nightshift.engine.quant.format import Int4Weight, unpack_int4
+
+BLOCK = 32          # activation quantization block (input channels), as Q8_0
+TILE_ROWS = 4       # rows of one register tile
+TILE_OUT = 16       # outputs of one register tile (two vectors of 8)
+
+SOURCE = r"""
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t f32_to_bf16(float f) {        /* round to nearest even, as torch */
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* x [M, K] (float32, or bfloat16 when x_bf16) -> xq [Mp, K] int8 (rows M..Mp-1 zero), dx [Mp, K/32]
+   (the blocks' scales, 0 for padding), xs [Mp, K/G] (the groups' exact float sums). */
+void quantize_rows(const void *x, int64_t M, int64_t Mp, int64_t K, int64_t G, int x_bf16,
+                   int8_t *xq, float *dx, float *xs) {
+    const int64_t nb = K / 32, ng = K / G;
+    #pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < Mp; i++) {
+        if (i >= M) {
+            memset(xq + i * K, 0, K); memset(dx + i * nb, 0, nb * 4); memset(xs + i * ng, 0, ng * 4);
+            continue;
+        }
+        const __m256 sign = _mm256_set1_ps(-0.f);
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        for (int64_t g = 0; g < ng; g++) xs[i * ng + g] = 0.f;
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t k0 = i * K + b * 32;
+            __m256 v[4];
+            for (int j = 0; j < 4; j++) {
+                if (x_bf16) {
+                    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + k0 + 8 * j));
+                    v[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+                } else {
+                    v[j] = _mm256_loadu_ps((const float *)x + k0 + 8 * j);
+                }
+            }
+            __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                     _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            __m256 t = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4)); m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+            t4 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4)); t4 = _mm_add_ss(t4, _mm_movehdup_ps(t4));
+            const float amax = _mm_cvtss_f32(m4);
+            xs[i * ng + (b * 32) / G] += _mm_cvtss_f32(t4);
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            dx[i * nb + b] = amax / 127.f;
+            const __m256 scale = _mm256_set1_ps(inv);
+            __m256i q[4];          /* round to nearest even (the default rounding mode), as lrintf */
+            for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], scale));
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(xq + k0), _mm256_permutevar8x32_epi32(p, order));
+        }
+    }
+}
+
+/* y [M, N] (float32, or bfloat16 when y_bf16) = the W4A8 product (+ bias float32 [N] or NULL).
+   w: packed [Np/8, K/32, 4, 8, 4] bytes; sw, mw: float32 [Np/8, K/G, 8]; xq/dx/xs from quantize_rows
+   with Mp a multiple of 4; Np a multiple of 16. */
+void w4a8_gemm(const int8_t *xq, const float *dx, const float *xs, int64_t M, int64_t Mp, int64_t K, int64_t G,
+               const uint8_t *w, const float *sw, const float *mw, const float *bias,
+               void *y, int64_t N, int64_t Np, int y_bf16) {
+    const int64_t nb = K / 32, ng = K / G, bpg = G / 32, pairs = Np / 16, tiles = Mp / 4;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t p = 0; p < pairs; p++) {
+        for (int64_t t = 0; t < tiles; t++) {
+            const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+            const int64_t v0 = 2 * p, m0 = 4 * t;
+            const uint8_t *w0 = w + v0 * nb * 128, *w1 = w0 + nb * 128;
+            /* the float tile lives in memory (L1), touched once a block: the registers are the
+               integer accumulators' (an empty asm taking its address keeps it there) */
+            float tile[4][16] __attribute__((aligned(32)));
+            memset(tile, 0, sizeof tile);
+            __asm__ volatile("" : : "r"(tile) : "memory");
+            for (int64_t g = 0; g < ng; g++) {
+                const __m256 s0 = _mm256_loadu_ps(sw + (v0 * ng + g) * 8), s1 = _mm256_loadu_ps(sw + ((v0 + 1) * ng + g) * 8);
+                for (int64_t bb = 0; bb < bpg; bb++) {
+                    const int64_t b = g * bpg + bb;
+                    __m256i d00 = _mm256_setzero_si256(), d01 = d00, d10 = d00, d11 = d00,
+                            d20 = d00, d21 = d00, d30 = d00, d31 = d00;
+                    const int8_t *x0 = xq + m0 * K + b * 32, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
+                    const uint8_t *wb0 = w0 + b * 128, *wb1 = w1 + b * 128;
+                    #pragma GCC unroll 1
+                    for (int L = 0; L < 4; L++) {
+                        const __m256i raw0 = _mm256_loadu_si256((const __m256i *)(wb0 + L * 32));
+                        const __m256i raw1 = _mm256_loadu_si256((const __m256i *)(wb1 + L * 32));
+                        /* the low nibbles (channels 4L..4L+3) against every row, then the high ones
+                           (16+4L..): two weight vectors live at a time, eight accumulators */
+#define W4A8_ROWS(w0v, w1v, off) do { \
+                            const __m256i wa = (w0v), wc = (w1v); __m256i xv; int32_t xw; \
+                            memcpy(&xw, x0 + (off), 4); xv = _mm256_set1_epi32(xw); \
+                            d00 = _mm256_add_epi16(d00, _mm256_maddubs_epi16(wa, xv)); \
+                            d01 = _mm256_add_epi16(d01, _mm256_maddubs_epi16(wc, xv)); __asm__("" : "+x"(d00), "+x"(d01)); \
+                            memcpy(&xw, x1 + (off), 4); xv = _mm256_set1_epi32(xw); \
+                            d10 = _mm256_add_epi16(d10, _mm256_maddubs_epi16(wa, xv)); \
+                            d11 = _mm256_add_epi16(d11, _mm256_maddubs_epi16(wc, xv)); __asm__("" : "+x"(d10), "+x"(d11)); \
+                            memcpy(&xw, x2 + (off), 4); xv = _mm256_set1_epi32(xw); \
+                            d20 = _mm256_add_epi16(d20, _mm256_maddubs_epi16(wa, xv)); \
+                            d21 = _mm256_add_epi16(d21, _mm256_maddubs_epi16(wc, xv)); __asm__("" : "+x"(d20), "+x"(d21)); \
+                            memcpy(&xw, x3 + (off), 4); xv = _mm256_set1_epi32(xw); \
+                            d30 = _mm256_add_epi16(d30, _mm256_maddubs_epi16(wa, xv)); \
+                            d31 = _mm256_add_epi16(d31, _mm256_maddubs_epi16(wc, xv)); __asm__("" : "+x"(d30), "+x"(d31)); } while (0)
+                        W4A8_ROWS(_mm256_and_si256(raw0, low), _mm256_and_si256(raw1, low), 4 * L);
+                        W4A8_ROWS(_mm256_and_si256(_mm256_srli_epi16(raw0, 4), low),
+                                  _mm256_and_si256(_mm256_srli_epi16(raw1, 4), low), 16 + 4 * L);
+#undef W4A8_ROWS
+                    }
+                    const __m256i dots[4][2] = {{d00, d01}, {d10, d11}, {d20, d21}, {d30, d31}};
+                    for (int r = 0; r < 4; r++) {
+                        const __m256 d = _mm256_set1_ps(dx[(m0 + r) * nb + b]);
+                        _mm256_store_ps(tile[r], _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dots[r][0], ones)),
+                                                                 _mm256_mul_ps(s0, d), _mm256_load_ps(tile[r])));
+                        _mm256_store_ps(tile[r] + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dots[r][1], ones)),
+                                                                     _mm256_mul_ps(s1, d), _mm256_load_ps(tile[r] + 8)));
+                    }
+                }
+                const __m256 n0 = _mm256_loadu_ps(mw + (v0 * ng + g) * 8), n1 = _mm256_loadu_ps(mw + ((v0 + 1) * ng + g) * 8);
+                for (int r = 0; r < 4; r++) {
+                    const __m256 s = _mm256_set1_ps(xs[(m0 + r) * ng + g]);
+                    _mm256_store_ps(tile[r], _mm256_fmadd_ps(n0, s, _mm256_load_ps(tile[r])));
+                    _mm256_store_ps(tile[r] + 8, _mm256_fmadd_ps(n1, s, _mm256_load_ps(tile[r] + 8)));
+                }
+            }
+            for (int r = 0; r < 4 && m0 + r < M; r++) {
+                const float *out = tile[r];
+                for (int j = 0; j < 16 && v0 * 8 + j < N; j++) {
+                    const int64_t n = v0 * 8 + j;
+                    const float v = out[j] + (bias ? bias[n] : 0.f);
+                    if (y_bf16) ((uint16_t *)y)[(m0 + r) * N + n] = f32_to_bf16(v);
+                    else ((float *)y)[(m0 + r) * N + n] = v;
+                }
+            }
+        }
+    }
+}
+"""
+FLAGS = [*OPTIMIZE, "-fno-tree-reassoc"]
+
+_lib: Optional[ctypes.CDLL] = None
+_loaded = False
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+
+
+def available() -> bool:
+    """Whether the kernel runs here: an x86 CPU with AVX2 and FMA, and the library built."""
+    return {"avx2", "fma"} <= cpu_flags() and load() is not None
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The kernel's library, built on first use; None where it cannot be built."""
+    global _lib, _loaded
+    if not _loaded:
+        lib = load_library("cpu_w4a8", SOURCE, FLAGS) if {"avx2", "fma"} <= cpu_flags() else None
+        if lib is not None:
+            lib.quantize_rows.argtypes = [_P, _I, _I, _I, _I, ctypes.c_int, _P, _P, _P]
+            lib.w4a8_gemm.argtypes = [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int]
+            lib.quantize_rows.restype = lib.w4a8_gemm.restype = None
+        _lib, _loaded = lib, True
+    return _lib
+
+
+class W4A8Weight:
+    """An INT4 weight repacked for the kernel (still 4 bits a weight) and its float32 scales and
+    mins; ``linear`` is ``x @ W.T (+ bias)`` with x quantized to int8 per row and block of 32."""
+
+    def __init__(self, weight: Int4Weight):
+        n, k, g = weight.out_features, weight.in_features, weight.group_size
+        self.out_features, self.in_features, self.group_size = n, k, g
+        self.padded_out = -(-n // TILE_OUT) * TILE_OUT
+        q = torch.zeros(self.padded_out, k, dtype=torch.uint8)
+        q[:n] = unpack_int4(weight.qweight)
+        # [N/8, 8 outputs, K/32 blocks, 2 halves, 4 vectors L, 4 bytes j] -> [N/8, K/32, L, o, j, half]
+        q = q.reshape(self.padded_out // 8, 8, k // BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+        self.packed = (q[..., 0] | (q[..., 1] << 4)).contiguous()
+        self.scales = self._per_vector(weight.scales)
+        self.mins = self._per_vector(weight.mins)
+
+    def _per_vector(self, t: torch.Tensor) -> torch.Tensor:
+        """float16 [N, K/G] -> float32 [Np/8, K/G, 8] (zeros for the padded outputs)."""
+        out = torch.zeros(self.padded_out, t.shape[1])
+        out[:self.out_features] = t.float()
+        return out.reshape(self.padded_out // 8, 8, -1).transpose(1, 2).contiguous()
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + (self.scales.numel() + self.mins.numel()) * 4
+
+    def linear(self, x2d: torch.Tensor, bias: Optional[torch.Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """`x2d` `[M, K]` float32 or bfloat16 -> `[M, N]` in `out_dtype` (default x's), + `bias`
+        (float32 `[N]`) when given."""
+        assert x2d.dtype in (torch.float32, torch.bfloat16) and x2d.shape[1] == self.in_features
+        x2d = x2d.contiguous()
+        rows, k, g = x2d.shape[0], self.in_features, self.group_size
+        padded_rows = -(-rows // TILE_ROWS) * TILE_ROWS
+        xq = torch.empty(padded_rows, k, dtype=torch.int8)
+        dx = torch.empty(padded_rows, k // BLOCK)
+        xs = torch.empty(padded_rows, k // g)
+        lib = load()
+        lib.quantize_rows(x2d.data_ptr(), rows, padded_rows, k, g, int(x2d.dtype == torch.bfloat16),
+                          xq.data_ptr(), dx.data_ptr(), xs.data_ptr())
+        out_dtype = out_dtype or x2d.dtype
+        y = torch.empty(rows, self.out_features, dtype=out_dtype)
+        if bias is not None:
+            bias = bias.float().contiguous()
+        lib.w4a8_gemm(xq.data_ptr(), dx.data_ptr(), xs.data_ptr(), rows, padded_rows, k, g,
+                      self.packed.data_ptr(), self.scales.data_ptr(), self.mins.data_ptr(),
+                      None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features,
+                      self.padded_out, int(out_dtype == torch.bfloat16))
+        return y

@@ -1,0 +1,72 @@
+"""The W4A8 CPU kernel (engine/quant/cpu_w4a8.py): its result equals, to float32 rounding, the
+product of the INT4 weight with the activations quantized as the kernel documents (int8 per row
+and block of 32, the block's absolute maximum to 127; the mins against exact float sums), on
+shapes that need row and output padding, every group size, float32 and bfloat16 in and out, with
+and without a bias; a row's result does not depend on the other rows of the call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nightshift.engine.quant import cpu_w4a8
+from nightshift.engine.quant.format import Int4Weight, quantize_rtn, unpack_int4
+
+pytestmark = pytest.mark.skipif(not cpu_w4a8.available(), reason="needs an x86 CPU with AVX2 and a C compiler")
+
+
+def reference(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """float64 model of the kernel's arithmetic."""
+    m, k = x.shape
+    g = weight.group_size
+    blocks = x.double().reshape(m, k // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    scale = amax / 127
+    xq = torch.where(amax > 0, torch.round(blocks / torch.where(amax > 0, scale, 1)), 0).clamp(-127, 127)
+    q = unpack_int4(weight.qweight).double()
+    scales = weight.scales.double().repeat_interleave(g, 1)
+    mins = weight.mins.double().repeat_interleave(g, 1)
+    return (xq * scale).reshape(m, k) @ (q * scales).T + x.double() @ mins.T
+
+
+@pytest.mark.parametrize("out_features,in_features,group,rows", [
+    (40, 64, 32, 5),        # outputs padded 40 -> 48, rows 5 -> 8
+    (576, 576, 32, 13),
+    (100, 256, 64, 1),
+    (192, 512, 128, 64),
+    (17, 32, 32, 3),
+])
+def test_matches_the_quantized_product(out_features, in_features, group, rows):
+    generator = torch.Generator().manual_seed(out_features + rows)
+    weight = quantize_rtn(torch.randn(out_features, in_features, generator=generator), group, clip_search=False)
+    x = torch.randn(rows, in_features, generator=generator) * 3
+    x[0, :32] = 0                                             # an all-zero block
+    bias = torch.randn(out_features, generator=generator)
+    packed = cpu_w4a8.W4A8Weight(weight)
+    expected = reference(x, weight)
+    got = packed.linear(x)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    tol = 1e-5 * float(expected.abs().max())
+    assert float((got.double() - expected).abs().max()) <= tol
+    with_bias = packed.linear(x, bias)
+    assert float((with_bias.double() - (expected + bias.double())).abs().max()) <= tol
+    # bfloat16 in: the same values (x rounded to bfloat16 first); bfloat16 out: the float32 result rounded
+    xb = x.bfloat16()
+    got_b = packed.linear(xb)
+    assert got_b.dtype == torch.bfloat16
+    assert torch.equal(got_b, packed.linear(xb.float()).bfloat16())
+    assert packed.linear(x, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+
+
+def test_a_row_does_not_depend_on_the_rest_of_the_call():
+    generator = torch.Generator().manual_seed(1)
+    packed = cpu_w4a8.W4A8Weight(quantize_rtn(torch.randn(96, 128, generator=generator), 32, clip_search=False))
+    x = torch.randn(37, 128, generator=generator)
+    whole = packed.linear(x)
+    for start, stop in ((0, 1), (5, 9), (30, 37)):
+        assert torch.equal(packed.linear(x[start:stop]), whole[start:stop])
+
+
+def test_the_weight_stays_four_bits():
+    weight = quantize_rtn(torch.randn(256, 512), 32, clip_search=False)
+    packed = cpu_w4a8.W4A8Weight(weight)
+    assert packed.packed.dtype == torch.uint8 and packed.packed.numel() == 256 * 512 // 2
