@@ -1,7 +1,7 @@
 """INT4 fidelity against full precision on the default model, and the CPU math paths against HF.
 
     python -m bench.quality [--model default] [--prompts 64] [--tokens 32] [--json out.json]
-    python -m bench.quality --maths float32,bf16,int8
+    python -m bench.quality --maths float32,bf16,int8 [--int4-kernels dense,w4a8]
 
 With ``--maths``: each CPU math path of engine/layers/cpu_math.py (float32 weights, the engine's
 loader) and HF transformers' own bfloat16 model, against HF transformers in float32, with the
@@ -22,8 +22,9 @@ tensors dequantized exactly). The INT4 variants compared with it (``--variants``
 Each variant is loaded through the engine's loader (so quantized once, then from the disk
 cache) and run with each of ``--kernels``: ``dense`` (the dequantized float32 weights, the CPU
 path of steps of more than 8 rows), ``int4-kernel`` (the batch-1 engine path: the prefill dense,
-every decode step on torch's int4 kernel with bfloat16 activations) and ``int4-kernel-all``
-(the kernel on the prefill too). On a fixed set of chat prompts it reports:
+every decode step on torch's int4 kernel with bfloat16 activations), ``int4-kernel-all``
+(the kernel on the prefill too) and ``w4a8`` (every step on engine/quant/cpu_w4a8.py: int8
+activations against the 4-bit weights). On a fixed set of chat prompts it reports:
 
 * top-1 agreement and mean KL(fp || int4) of the next-token distribution at every position of
   fp's greedy continuation (teacher-forced, so both models see the same tokens);
@@ -123,7 +124,16 @@ def _set_int4_max_rows(model, rows: int) -> None:
 # dense path, "int4-kernel" is what the engine runs at batch 1 (the prefill of a prompt longer
 # than 8 tokens dense, every decode step on the int4 kernel), "int4-kernel-all" forces the
 # kernel on the prefill too.
-KERNEL_ROWS = {"dense": (0, 0), "int4-kernel": (0, 1 << 30), "int4-kernel-all": (1 << 30, 1 << 30)}
+KERNEL_ROWS = {"dense": (0, 0), "int4-kernel": (0, 1 << 30), "int4-kernel-all": (1 << 30, 1 << 30),
+               "w4a8": (0, 0)}
+
+
+def _set_int4_kernel(model, kernel: str) -> None:
+    """"w4a8": every INT4 layer's CPU steps on the W4A8 kernel (engine/quant/cpu_w4a8.py), else
+    the dense kernels (tinygemm / dequantized, by KERNEL_ROWS)."""
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            module.cpu_kernel = "w4a8" if kernel == "w4a8" else "dense"
 
 
 def quantized_layer_bytes(model) -> tuple[int, int]:
@@ -175,6 +185,7 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
                           "ratio_vs_fp32": 2 * dense / stored, "group_sizes": groups}
         for kernel in kernels:
             prefill_rows, decode_rows = KERNEL_ROWS[kernel]
+            _set_int4_kernel(int4_model, kernel)
             t0 = time.perf_counter()
             stepper = _Stepper(int4_model, prompts, new_tokens,
                                before_prefill=lambda: _set_int4_max_rows(int4_model, prefill_rows),
@@ -218,12 +229,14 @@ def hf_greedy(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
 
 def evaluate_maths(model: str = "default", num_prompts: int = 64, new_tokens: int = 32,
                    maths: tuple[str, ...] = ("float32", "bf16", "int8"), cache_dir: str | None = None,
-                   log=print) -> dict:
+                   int4_kernels: tuple[str, ...] = (), log=print) -> dict:
     """Each CPU math path of our engine (engine/layers/cpu_math.py) and HF's own bfloat16 against
     HF transformers in float32 on the same prompts: top-1 agreement and mean KL(HF fp32 || path)
     along HF float32's greedy continuation (teacher-forced), and the share of prompts whose
     greedy continuation equals HF float32's. The rule for a default path: no more drift than
-    HF bf16 shows here."""
+    HF bf16 shows here. `int4_kernels` (dense, w4a8): the engine's default INT4 model (its
+    QuantConfig: a GGUF's Q4 blocks imported as they are) on this CPU's chosen math with each of
+    these kernels for its INT4 layers (cpu_math.choose_int4)."""
     from bench.engine import hf_model_from_cache
 
     tokenizer = load_tokenizer(model, cache_dir=cache_dir)
@@ -256,6 +269,14 @@ def evaluate_maths(model: str = "default", num_prompts: int = 64, new_tokens: in
         _, forced_lp = stepper.run(new_tokens, forced=ref_tokens)
         greedy, _ = stepper.run(new_tokens)
         results.append(compare(f"nightshift {math}", forced_lp, greedy, time.perf_counter() - t0))
+    for kernel in int4_kernels:
+        t0 = time.perf_counter()
+        net = load_model(model, dtype=torch.float32, cache_dir=cache_dir, quant_config=QuantConfig(), cpu_int4=kernel)
+        stepper = _Stepper(net, prompts, new_tokens)
+        _, forced_lp = stepper.run(new_tokens, forced=ref_tokens)
+        greedy, _ = stepper.run(new_tokens)
+        results.append(compare(f"nightshift int4 {kernel} ({net.cpu_math.math})", forced_lp, greedy,
+                               time.perf_counter() - t0))
     return {"model": model, "prompts": len(prompts), "new_tokens": new_tokens, "reference": "HF float32",
             "comparisons": [asdict(r) for r in results]}
 
@@ -273,11 +294,15 @@ def main(argv=None) -> None:
     ap.add_argument("--maths", default=None,
                     help="instead of the INT4 variants: these CPU math paths (comma list of float32,bf16,int8) "
                          "and HF bfloat16, each against HF float32")
+    ap.add_argument("--int4-kernels", default=None,
+                    help="with --maths: also the engine's default INT4 model with each of these CPU kernels for "
+                         "its INT4 layers (comma list of dense,w4a8)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.maths:
-        report = evaluate_maths(args.model, args.prompts, args.tokens, tuple(args.maths.split(",")), args.cache_dir)
+        report = evaluate_maths(args.model, args.prompts, args.tokens, tuple(args.maths.split(",")), args.cache_dir,
+                                int4_kernels=tuple(args.int4_kernels.split(",")) if args.int4_kernels else ())
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(report, handle, indent=1)

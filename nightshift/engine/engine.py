@@ -122,7 +122,9 @@ class Engine:
             return where
         fused = self.runner.attention.name == fused_cpu_layer.BACKEND and getattr(model, "fused_layers", None) is not None
         layers = f", fused layers, {str(self.runner.kv_dtype).removeprefix('torch.')} K/V" if fused else ""
-        return f"{where}, CPU math {choice.describe()}{layers}"
+        int4 = getattr(model, "cpu_int4", None)
+        int4 = f", INT4 layers {int4.describe()}" if int4 is not None else ""
+        return f"{where}, CPU math {choice.describe()}{int4}{layers}"
 
     # ---- validation -----------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:

@@ -10,10 +10,14 @@ from nightshift.engine.kernels import cpu_fused_ops
 from nightshift.engine.layers import cpu_math
 from nightshift.engine.model_runner import ModelRunner
 from nightshift.engine.models import fused_cpu_layer
+from nightshift.engine.quant import cpu_w4a8
 from nightshift.engine.step import StepItem
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(cpu_fused_ops.load() is None, reason="no C compiler: the torch layers run")]
+              pytest.mark.skipif(cpu_fused_ops.load() is None, reason="no C compiler: the torch layers run"),
+              # the fused layers run on the bf16 math only, which needs bf16 dot products (oneDNN
+              # refuses bfloat16 weights on an AVX2-only CPU)
+              pytest.mark.skipif("bf16" not in cpu_math.supported(), reason="no bf16 CPU math here")]
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +107,18 @@ def test_the_torch_layers_run_where_a_piece_does_not_fit(bf16_model, fp32_model,
         bf16_model.fused_layers = saved
 
 
-def test_an_int4_model_on_the_bf16_math_runs_the_fused_layers_too(default_model_path):
+@pytest.mark.parametrize("kernel", ["dense", pytest.param("w4a8", marks=pytest.mark.skipif(
+    not cpu_w4a8.available(), reason="needs an x86 CPU with AVX2 and a C compiler"))])
+def test_an_int4_model_on_the_bf16_math_runs_the_fused_layers_too(default_model_path, kernel):
     """The INT4 default (GGUF Q4 import) on the bf16 math: its projections compute bfloat16 in and
     out (quant/int4_linear.py: tinygemm for steps of up to 8 rows, the kept dense bf16 weight
-    above), so the layers fuse; same schedule, the same logits as its torch layers up to where the two
-    round (the fused form rounds each projection's output to bfloat16): KL 1.8e-3, as the dense
-    model's two forms differ (2.0e-3 on this schedule)."""
+    above; or every step on the W4A8 kernel), so the layers fuse; same schedule, the same logits as
+    its torch layers up to where the two round (the fused form rounds each projection's output to
+    bfloat16): KL 1.8e-3 (dense), as the dense model's two forms differ (2.0e-3 on this schedule)."""
     from nightshift.engine.loader import load_model
     from nightshift.engine.quant.config import resolve_quant_config
-    model = load_model(default_model_path, dtype=torch.float32, cpu_math="bf16", quant_config=resolve_quant_config("int4"))
+    model = load_model(default_model_path, dtype=torch.float32, cpu_math="bf16", quant_config=resolve_quant_config("int4"),
+                       cpu_int4=kernel)
     assert model.fused_layers is not None and model.kv_dtype == torch.bfloat16
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (40, 23, 71, 9)]

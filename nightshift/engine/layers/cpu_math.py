@@ -30,6 +30,14 @@ threads and shapes (beside the C kernels' cache), so every process of a machine 
 choice and measures once. int8 is left out of ``auto``: on the standard prompts it drifts from
 float32 more than HF's own bfloat16 does (bench/quality.py --maths reports it), so it runs only
 when asked for.
+
+INT4 layers (engine/quant/int4_linear.py) have their own choice (``choose_int4``), made the same
+way: ``dense`` (torch's int4 kernel for steps of a few rows, the dequantized weight on the model's
+math above) or ``w4a8`` (engine/quant/cpu_w4a8.py: the 4-bit weight against int8 activations, as
+llama.cpp's Q4 x Q8_0). A model quantized to INT4 has accepted a lossy weight; the int8
+activations add less to that than the weight's own rounding (bench/quality.py ``--kernels w4a8``
+reports both against full precision), so ``auto`` takes w4a8 where it measures faster.
+``NIGHTSHIFT_CPU_INT4=dense|w4a8|auto`` (default auto) forces it.
 """
 from __future__ import annotations
 
@@ -51,6 +59,8 @@ from nightshift.engine.layers import cpu_gemm
 MATHS = ("float32", "bf16", "int8")
 AUTO_MATHS = ("float32", "bf16")
 ENV = "NIGHTSHIFT_CPU_MATH"
+INT4_KERNELS = ("dense", "w4a8")
+INT4_ENV = "NIGHTSHIFT_CPU_INT4"
 MARGIN = 0.05
 PROBE_ROWS = (16, 256)        # a small decode step and a full one (the default max_num_seqs)
 
@@ -228,11 +238,14 @@ def choose(shapes: tuple[tuple[int, int], ...], requested_math: Optional[str] = 
     return Choice(best, "measured", seconds)
 
 
-def _measured(shapes: tuple[tuple[int, int], ...], candidates: tuple[str, ...]) -> dict:
-    """Seconds of each candidate for one step of every shape at each of PROBE_ROWS, from the
-    disk cache when this machine measured them before."""
+def _measured(shapes: tuple[tuple[int, int], ...], candidates: tuple[str, ...], timer=None,
+              what: str = "") -> dict:
+    """Seconds of each candidate (``timer(shapes, candidate)``, default ``_time_math``) for one step
+    of every shape at each of PROBE_ROWS, from the disk cache when this machine measured them
+    before (`what` names the question in the cache key)."""
+    timer = timer or _time_math
     key = json.dumps([torch.__version__, sorted(cpu_flags()), torch.get_num_threads(), shapes, PROBE_ROWS,
-                      candidates])
+                      candidates, what])
     path = cache_dir() / f"cpu_math-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     # one process measures, the others of the machine wait for its answer: all choose alike
@@ -242,7 +255,7 @@ def _measured(shapes: tuple[tuple[int, int], ...], candidates: tuple[str, ...]) 
             return json.loads(path.read_text())
         except (OSError, ValueError):
             pass
-        seconds = {math: _time_math(shapes, math) for math in candidates}
+        seconds = {candidate: timer(shapes, candidate) for candidate in candidates}
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(seconds))
         os.replace(tmp, path)
@@ -260,3 +273,51 @@ def _time_math(shapes: tuple[tuple[int, int], ...], math: str, repeats: int = 3)
                 (out_features, in_features))
     return total
 
+
+
+def choose_int4(shapes: tuple[tuple[int, int], ...], math: str, requested_kernel: Optional[str] = None) -> Choice:
+    """How the INT4 layers of a float32 CPU model on `math` multiply (the module docstring):
+    ``requested_kernel`` or NIGHTSHIFT_CPU_INT4 when not "auto", else the faster of ``dense`` and
+    ``w4a8`` on these ``[out, in]`` shapes (w4a8 only if at least MARGIN faster)."""
+    from nightshift.engine.quant import cpu_w4a8     # quant imports this module: import on use
+
+    kernel = (requested_kernel or os.environ.get(INT4_ENV, "auto")).strip().lower() or "auto"
+    if kernel not in (*INT4_KERNELS, "auto"):
+        raise ValueError(f"{INT4_ENV}={kernel!r}: choose one of {', '.join((*INT4_KERNELS, 'auto'))}")
+    if kernel == "w4a8" and not cpu_w4a8.available():
+        raise RuntimeError(f"{INT4_ENV}=w4a8: the W4A8 kernel needs an x86 CPU with AVX2 and FMA and a C "
+                           "compiler (cc); this machine has not both")
+    if kernel != "auto":
+        return Choice(kernel, "forced")
+    if not cpu_w4a8.available():
+        return Choice("dense", "no W4A8 kernel here")
+    seconds = _measured(tuple(shapes), INT4_KERNELS, functools.partial(_time_int4, math=math), f"int4 on {math}")
+    best = "w4a8" if seconds["w4a8"] < seconds["dense"] * (1 - MARGIN) else "dense"
+    return Choice(best, "measured", seconds)
+
+
+def _time_int4(shapes: tuple[tuple[int, int], ...], kernel: str, math: str, repeats: int = 3) -> float:
+    """One step of every shape at each of PROBE_ROWS through an INT4 layer's `kernel` (random
+    weights at group 32), as the model calls it: bfloat16 in and out on the bf16 math (the fused
+    layers' ``linear_bf16``), float32 otherwise."""
+    from nightshift.engine.quant import cpu_w4a8
+    from nightshift.engine.quant.format import quantize_rtn
+
+    generator = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16 if math == "bf16" else torch.float32
+    total = 0.0
+    for out_features, in_features in dict.fromkeys(shapes):
+        int4 = quantize_rtn(torch.randn(out_features, in_features, generator=generator), 32, clip_search=False)
+        if kernel == "w4a8":
+            call = cpu_w4a8.W4A8Weight(int4).linear
+        else:
+            dense = int4.dequantize()
+            if applies(dense, math):
+                held = prepare(dense, math)
+                call = held.linear_bf16 if math == "bf16" else held.linear
+            else:
+                call = functools.partial(torch.nn.functional.linear, weight=dense)
+        for rows in PROBE_ROWS:
+            x = torch.randn(rows, in_features, generator=generator).to(dtype)
+            total += cpu_gemm.best_seconds(lambda: call(x), repeats) * shapes.count((out_features, in_features))
+    return total

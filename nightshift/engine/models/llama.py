@@ -234,6 +234,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.dtype = dtype
         self.cpu_math: Optional[cpu_math.Choice] = None    # how its float32 CPU layers multiply (the loader sets it)
+        self.cpu_int4: Optional[cpu_math.Choice] = None    # ... and its INT4 layers (dense or w4a8)
         device = torch.device(device)
 
         def tensor(name: str) -> torch.Tensor:

@@ -4,9 +4,13 @@ What runs, chosen per call by ``Int4Linear.kernel_for`` (engine/quant/README.md 
 * CUDA: the Triton kernels of engine/quant/triton_int4.py on the packed weight (a GEMV, tensor-core
   tiles, or a dequantization pass + cuBLAS) or torch's CUDA int4 kernel, the fastest measured per
   shape and step size (engine/quant/int4_dispatch.py).
-* CPU, steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU kernel (tinygemm), with
-  bfloat16 activations (its float32 mode is ~6x slower here; the result is cast back).
-* CPU, larger steps: a dense matmul with the dequantized weight in the activation dtype
+* CPU with ``cpu_kernel="w4a8"`` (engine/layers/cpu_math.py ``choose_int4`` picks it where it
+  measures faster): every step through engine/quant/cpu_w4a8.py, the 4-bit weight (repacked on
+  first use) against int8 activations; no dense copy of the weight is kept.
+* CPU (``cpu_kernel="dense"``), steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU
+  kernel (tinygemm), with bfloat16 activations (its float32 mode is ~6x slower here; the result
+  is cast back).
+* CPU (``dense``), larger steps: a dense matmul with the dequantized weight in the activation dtype
   (float32 for bfloat16 activations on CPUs without native bf16), kept after first use when
   ``cache_dense_weight`` (else dequantized per call); a kept float32 weight is held for the
   model's CPU math (engine/layers/cpu_math.py: packed float32, bf16 or int8), like the
@@ -20,6 +24,8 @@ from torch import nn
 
 from nightshift.engine.cpu_features import cpu_has_native_bf16
 from nightshift.engine.layers import cpu_math
+from nightshift.engine.layers.cpu_math import INT4_KERNELS
+from nightshift.engine.quant import cpu_w4a8
 from nightshift.engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS
 from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from nightshift.engine.quant.format import Int4Weight
@@ -37,7 +43,7 @@ def dense_compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class Int4Linear(nn.Module):
     def __init__(self, weight: Int4Weight, bias: torch.Tensor | None = None, *,
                  cpu_int4_max_rows: int = DEFAULT_CPU_INT4_MAX_ROWS,
-                 cache_dense_weight: bool = True, cpu_math: str = "float32"):
+                 cache_dense_weight: bool = True, cpu_math: str = "float32", cpu_kernel: str = "dense"):
         super().__init__()
         self.in_features = weight.in_features
         self.out_features = weight.out_features
@@ -45,6 +51,9 @@ class Int4Linear(nn.Module):
         self.cpu_int4_max_rows = cpu_int4_max_rows
         self.cache_dense_weight = cache_dense_weight
         self.cpu_math = cpu_math
+        if cpu_kernel not in INT4_KERNELS:
+            raise ValueError(f"cpu_kernel must be one of {INT4_KERNELS}, got {cpu_kernel!r}")
+        self.cpu_kernel = cpu_kernel
         self.register_buffer("qweight", weight.qweight)
         self.register_buffer("scales", weight.scales)
         self.register_buffer("mins", weight.mins)
@@ -57,6 +66,7 @@ class Int4Linear(nn.Module):
         self._tinygemm_sz: dict[torch.dtype, torch.Tensor] = {}
         self._dense: dict[tuple[torch.device, torch.dtype], object] = {}
         self._kernel_weight = None        # CUDA: int4_dispatch.KernelWeight (with tinygemm's form, if used)
+        self._w4a8: cpu_w4a8.W4A8Weight | None = None
 
     @property
     def int4_weight(self) -> Int4Weight:
@@ -68,6 +78,7 @@ class Int4Linear(nn.Module):
         self._tinygemm_sz = {}
         self._dense = {}
         self._kernel_weight = None
+        self._w4a8 = None
         return super()._apply(fn, recurse)
 
     def set_weight(self, weight: Int4Weight, input_scale: torch.Tensor | None = None) -> None:
@@ -84,10 +95,13 @@ class Int4Linear(nn.Module):
                 f"group_size={self.group_size}, bias={self.bias is not None}")
 
     def kernel_for(self, x2d: torch.Tensor) -> str:
-        """The matmul this call runs, by device and step rows (the module docstring says why):
-        "triton" on CUDA, "tinygemm" for CPU steps of at most cpu_int4_max_rows rows, else "dense"."""
+        """The matmul this call runs, by device, CPU kernel and step rows (the module docstring says
+        why): "triton" on CUDA, "w4a8" on CPU with that kernel, else "tinygemm" for CPU steps of at
+        most cpu_int4_max_rows rows and "dense" above."""
         if x2d.is_cuda:
             return "triton"
+        if self.cpu_kernel == "w4a8":
+            return "w4a8"
         return "tinygemm" if x2d.shape[0] <= self.cpu_int4_max_rows else "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +110,8 @@ class Int4Linear(nn.Module):
         if self.input_scale is not None:
             x2d = x2d * self.input_scale.to(x2d.dtype)
         kernel = self.kernel_for(x2d)
+        if kernel == "w4a8":     # float32 or bfloat16 in and out, the bias added in the kernel
+            return self._w4a8_weight().linear(x2d, self.bias).reshape(*lead, self.out_features)
         if kernel == "dense":   # the bias goes into the matmul, in its compute dtype
             dtype = dense_compute_dtype(x.dtype)
             bias = None if self.bias is None else self.bias.to(dtype)
@@ -113,21 +129,30 @@ class Int4Linear(nn.Module):
 
     def bf16_ready(self) -> bool:
         """Whether ``linear_bf16`` runs here: a CPU layer on the bf16 math (engine/layers/cpu_math.py),
-        no AWQ input scale, its dense weight kept (models/fused_cpu_layer.py takes it then)."""
+        no AWQ input scale, on the W4A8 kernel or with its dense weight kept (models/fused_cpu_layer.py
+        takes it then)."""
         return (self.qweight.device.type == "cpu" and self.cpu_math == "bf16" and self.input_scale is None
-                and self.cache_dense_weight)
+                and (self.cpu_kernel == "w4a8" or self.cache_dense_weight))
 
     def linear_bf16(self, x2d: torch.Tensor) -> torch.Tensor:
         """bfloat16 ``[M, K]`` -> bfloat16 ``[M, N]``, bias not added (the fused CPU layer adds the
         q/k/v bias itself), on a ``bf16_ready`` layer: tinygemm for steps of at most
         ``cpu_int4_max_rows`` rows (bfloat16 in and out, as ``forward`` runs it), else the kept
-        dense weight's bf16 matmul (the ``cpu_math.Bf16Weight`` that ``forward``'s dense path uses)."""
+        dense weight's bf16 matmul (the ``cpu_math.Bf16Weight`` that ``forward``'s dense path uses);
+        every step on the W4A8 kernel where that is the layer's CPU kernel."""
+        if self.cpu_kernel == "w4a8":
+            return self._w4a8_weight().linear(x2d)
         if x2d.shape[0] <= self.cpu_int4_max_rows:
             return self._tinygemm(x2d)
         w = self._dense_weight(x2d.device, torch.float32)
         if not isinstance(w, cpu_math.Bf16Weight):
             raise RuntimeError(f"linear_bf16 needs the bf16 CPU math's weight, this layer keeps {type(w).__name__}")
         return w.linear_bf16(x2d)
+
+    def _w4a8_weight(self) -> cpu_w4a8.W4A8Weight:
+        if self._w4a8 is None:
+            self._w4a8 = cpu_w4a8.W4A8Weight(self.int4_weight)
+        return self._w4a8
 
     def _tinygemm(self, x2d: torch.Tensor) -> torch.Tensor:
         if self._tinygemm_packed is None:

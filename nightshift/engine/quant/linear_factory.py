@@ -59,9 +59,10 @@ def int4_weight_for(source: WeightSource, config: QuantConfig,
 
 class Int4LinearFactory:
     def __init__(self, config: QuantConfig, cache: Optional[QuantizedCheckpointCache] = None,
-                 calibrate: Optional[Calibrate] = None, math: str = "float32"):
+                 calibrate: Optional[Calibrate] = None, math: str = "float32", cpu_kernel: str = "dense"):
         self.config = config
         self.math = math
+        self.cpu_kernel = cpu_kernel          # the INT4 layers' CPU kernel (cpu_math.choose_int4)
         self.cache = cache
         self._calibrate = calibrate
         self._stats: Optional[dict[str, ActivationStats]] = None
@@ -84,7 +85,8 @@ class Int4LinearFactory:
         bias = source.bias()
         layer = Int4Linear(weight.to(device), None if bias is None else bias.to(device),
                            cpu_int4_max_rows=self.config.cpu_int4_max_rows,
-                           cache_dense_weight=self.config.cache_dense_weight, cpu_math=self.math)
+                           cache_dense_weight=self.config.cache_dense_weight, cpu_math=self.math,
+                           cpu_kernel=self.cpu_kernel)
         if input_scale is not None:
             layer.input_scale = input_scale.to(device)
         return layer

@@ -8,6 +8,7 @@ from nightshift.engine.layers.linear import GGUFBlocks, WeightSource
 from nightshift.engine.layers.linear import DenseLinear
 from nightshift.engine.quant.cache import QuantizedCheckpointCache, cache_file
 from nightshift.engine.quant.config import QuantConfig, resolve_quant_config
+from nightshift.engine.quant import cpu_w4a8
 from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from nightshift.engine.quant.format import quantize_rtn
 from nightshift.engine.quant.int4_linear import Int4Linear
@@ -41,6 +42,35 @@ def test_int4_linear_both_paths(weight, rows):
     # tinygemm runs with bfloat16 activations (relative ~4e-3); the dense path is float32
     tol = 1e-2 if rows <= 8 else 1e-5
     assert ((out - ref).abs().max() / ref.abs().max()) < tol
+
+
+@pytest.mark.skipif(not cpu_w4a8.available(), reason="needs an x86 CPU with AVX2 and a C compiler")
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_int4_linear_on_the_w4a8_kernel(weight, rows):
+    bias = torch.randn(192)
+    layer = Int4Linear(weight, bias, cpu_kernel="w4a8")
+    x = torch.randn(2, rows, 384)
+    assert layer.kernel_for(x[0]) == "w4a8"
+    out = layer(x)
+    packed = cpu_w4a8.W4A8Weight(weight)
+    assert out.shape == (2, rows, 192) and out.dtype == torch.float32
+    assert torch.equal(out, packed.linear(x.reshape(-1, 384), bias).reshape(2, rows, 192))
+    ref = F.linear(x, weight.dequantize(), bias)
+    assert ((out - ref).abs().max() / ref.abs().max()) < 2e-2          # int8 activations
+    assert layer(x.bfloat16()).dtype == torch.bfloat16
+    assert not layer._dense                                            # no dense copy kept
+    with pytest.raises(ValueError, match="cpu_kernel must be one of"):
+        Int4Linear(weight, bias, cpu_kernel="int2")
+
+
+def test_int4_linear_on_w4a8_serves_the_fused_layers_bf16_calls(weight):
+    layer = Int4Linear(weight, None, cpu_math="bf16", cpu_kernel="w4a8", cache_dense_weight=False)
+    assert layer.bf16_ready()
+    if not cpu_w4a8.available():
+        return
+    x = torch.randn(12, 384).bfloat16()
+    assert torch.equal(layer.linear_bf16(x), cpu_w4a8.W4A8Weight(weight).linear(x))
+    assert not Int4Linear(weight, None, cpu_math="bf16", cache_dense_weight=False).bf16_ready()
 
 
 def test_int4_linear_keeps_leading_dims_and_dense_cache(weight):

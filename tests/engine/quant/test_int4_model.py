@@ -18,8 +18,10 @@ PROMPTS = [[1, 4093, 314, 253, 3458, 282, 4649, 30], [1, 504, 3575, 282, 4649, 3
 
 @pytest.fixture(scope="module")
 def int4_model():
-    # the float32 CPU math: the dense path below must equal the full-precision float32 model
-    return load_model("default", dtype=torch.float32, quant_config=QuantConfig(), cpu_math="float32")
+    # the float32 CPU math and the dense INT4 kernels (tinygemm / dequantized): the dense path
+    # below must equal the full-precision float32 model
+    return load_model("default", dtype=torch.float32, quant_config=QuantConfig(), cpu_math="float32",
+                      cpu_int4="dense")
 
 
 def _last_logits(model, rows: int) -> torch.Tensor:
@@ -58,6 +60,23 @@ def test_gguf_import_runs_the_shipped_weights(int4_model, fp32_model):
     assert kl < 0.02
 
 
+def test_w4a8_kernel_stays_close_to_full_precision(fp32_model):
+    """The W4A8 kernel (int8 activations per block of 32 against the imported 4-bit weights) on
+    every step: top-1 equal wherever full precision leads by more than 0.15, KL as small as the
+    bfloat16 tinygemm path's bound above."""
+    w4a8 = load_model("default", dtype=torch.float32, quant_config=QuantConfig(), cpu_math="float32",
+                      cpu_int4="w4a8")
+    assert {m.kernel_for(torch.zeros(1, m.in_features)) for m in w4a8.modules() if isinstance(m, Int4Linear)} == {"w4a8"}
+    reference = _last_logits(fp32_model, 0)
+    got = _last_logits(w4a8, 0)
+    top2 = reference.topk(2, dim=-1)
+    clear = (top2.values[:, 0] - top2.values[:, 1]) > 0.15
+    assert torch.equal(got.argmax(-1)[clear], reference.argmax(-1)[clear])
+    assert all(k in t for k, t in zip(got.argmax(-1).tolist(), top2.indices.tolist()))
+    kl = F.kl_div(got.log_softmax(-1), reference.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert kl < 0.02
+
+
 def test_quantized_checkpoint_is_cached(int4_model, monkeypatch):
     path = quant_cache.cache_file(cache_root(None), source_fingerprint(resolve_model("default")), QuantConfig())
     assert path.exists()
@@ -86,6 +105,7 @@ def test_engine_defaults_to_int4_and_matches_full_precision_greedy(fp32_model, m
     # fp32_model) greedy tokens are equal; another math rounds both differently (the first
     # question's first token is a 0.08-logit near-tie, which bf16 flips as HF's bf16 might)
     monkeypatch.setenv("NIGHTSHIFT_CPU_MATH", "float32")
+    monkeypatch.setenv("NIGHTSHIFT_CPU_INT4", "dense")      # the INT4 layers' dequantized weights
     tokenizer = load_tokenizer("default")
     engine = Engine.from_pretrained(dtype="float32", max_num_seqs=4)  # quantization left default
     assert any(isinstance(m, Int4Linear) for m in engine.runner.model.modules())
