@@ -5,7 +5,10 @@
 
 CPU: shapes are SmolLM2-135M's per-layer projections (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536). Prints ms per step for: tinygemm int4, dense with the cached dequantized
-weight, and dense dequantizing on every call. Used to set DEFAULT_CPU_INT4_MAX_ROWS.
+weight, dense dequantizing on every call, dense float32 (`F.linear`), the float32 CPU math
+(the weight packed for oneDNN, engine/layers/cpu_math.py: what a float32 model runs) and our
+W4A8 kernel (engine/quant/cpu_w4a8.py, float32 in and out; "-" where it does not run). Used to
+set DEFAULT_CPU_INT4_MAX_ROWS.
 
 CUDA: one decoder layer's projections (qkv, o, gate_up, down) of the named shape, several
 distinct layers so the weights come from memory, not L2, each timed as CUDA-graph replays (no
@@ -23,6 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from nightshift.engine.layers import cpu_math
+from nightshift.engine.quant import cpu_w4a8
 from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from nightshift.engine.quant.format import quantize_rtn
 
@@ -146,9 +151,12 @@ def main(argv=None) -> None:
         w = quantize_rtn(torch.randn(n, k) * 0.02, args.group_size)
         layers.append((w, pack_for_tinygemm(w), tinygemm_scales_and_zeros(w, dtype), w.dequantize(dtype),
                        w.dequantize(torch.float32)))
+    maths = [cpu_math.prepare(dense32, "float32") for _, _, _, _, dense32 in layers]
+    w4a8 = [cpu_w4a8.W4A8Weight(w) for w, *_ in layers] if cpu_w4a8.available() else None
     print(f"threads={args.threads} dtype={args.dtype} group={args.group_size}; ms per step over "
           f"{args.layers} x (qkv+o+gate_up+down)")
-    print(f"{'M':>5} {'int4 tinygemm':>14} {'dense cached':>13} {'dense dequant':>14} {'dense fp32':>11}")
+    print(f"{'M':>5} {'int4 tinygemm':>14} {'dense cached':>13} {'dense dequant':>14} {'dense fp32':>11} "
+          f"{'fp32 math':>10} {'w4a8':>8}")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, dtype=dtype) for _, k in SHAPES}
         xs32 = {k: v.float() for k, v in xs.items()}
@@ -170,7 +178,17 @@ def main(argv=None) -> None:
             for w, _, _, _, _ in layers:
                 F.linear(xs[w.in_features], w.dequantize(dtype))
 
-        print(f"{m:>5} {_time(int4, reps):>14.3f} {_time(dense, reps):>13.3f} {_time(dequant, reps):>14.3f} {_time(dense32, reps):>11.3f}")
+        def math32():
+            for (w, *_), held in zip(layers, maths):
+                held.linear(xs32[w.in_features])
+
+        def ours():
+            for (w, *_), packed in zip(layers, w4a8):
+                packed.linear(xs32[w.in_features])
+
+        t_ours = f"{_time(ours, reps):>8.3f}" if w4a8 else f"{'-':>8}"
+        print(f"{m:>5} {_time(int4, reps):>14.3f} {_time(dense, reps):>13.3f} {_time(dequant, reps):>14.3f} "
+              f"{_time(dense32, reps):>11.3f} {_time(math32, reps):>10.3f} {t_ours}")
 
 
 if __name__ == "__main__":

@@ -109,8 +109,8 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
     A float32 model on CPU multiplies through the CPU math of engine/layers/cpu_math.py:
     `cpu_math` (float32, bf16, int8, auto) or, when None, NIGHTSHIFT_CPU_MATH (default auto:
     measured on this model's shapes). The choice is logged and kept as `model.cpu_math` (None
-    for other models); its INT4 layers' kernel as `model.cpu_int4`: `cpu_int4` (dense, w4a8,
-    auto) or, when None, NIGHTSHIFT_CPU_INT4 (default auto, ``cpu_math.choose_int4``).
+    for other models); its INT4 layers' CPU kernel as `model.cpu_int4`: `cpu_int4` (dense, w4a8,
+    auto) or, when None, NIGHTSHIFT_CPU_INT4 (default auto: dense; ``cpu_math.choose_int4``).
 
     With a quant_config the projections it quantizes are INT4, built by an Int4LinearFactory over
     the quantized-weight cache of this source and config (engine/quant/cache.py): layers found
@@ -132,7 +132,7 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
 
     cache = QuantizedCheckpointCache(cache_file(cache_root(cache_dir), source_fingerprint(resolve_model(model)),
                                                 quant_config))
-    int4_choice = choose_cpu_int4_kernel(checkpoint.config, math, cpu_int4) if choice else None
+    int4_choice = choose_cpu_int4_kernel(cpu_int4) if choice else None
     net = build_model(checkpoint, dtype=dtype, device=device,
                       linear=Int4LinearFactory(quant_config, cache, calibrate, math=math,
                                                cpu_kernel=int4_choice.math if int4_choice else "dense"))
@@ -154,10 +154,8 @@ def choose_cpu_math(config: ModelConfig, dtype: torch.dtype, device: str,
     return choice
 
 
-def choose_cpu_int4_kernel(config: ModelConfig, math: str, requested: Optional[str] = None) -> cpu_math.Choice:
-    """The CPU kernel of a float32 CPU model's INT4 layers on `math` (``cpu_math.choose_int4``,
-    timed on the projections the INT4 layers hold: all but the LM head)."""
-    start = time.perf_counter()
-    choice = cpu_math.choose_int4(config.projection_shapes[:-1], math, requested)
-    log.info("CPU INT4 kernel: %s, chosen in %.2f s", choice.describe(), time.perf_counter() - start)
+def choose_cpu_int4_kernel(requested: Optional[str] = None) -> cpu_math.Choice:
+    """The CPU kernel of a float32 CPU model's INT4 layers (``cpu_math.choose_int4``), logged."""
+    choice = cpu_math.choose_int4(requested)
+    log.info("CPU INT4 kernel: %s", choice.describe())
     return choice

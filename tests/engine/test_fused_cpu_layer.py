@@ -14,15 +14,17 @@ from nightshift.engine.quant import cpu_w4a8
 from nightshift.engine.step import StepItem
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(cpu_fused_ops.load() is None, reason="no C compiler: the torch layers run"),
-              # the fused layers run on the bf16 math only, which needs bf16 dot products (oneDNN
-              # refuses bfloat16 weights on an AVX2-only CPU)
-              pytest.mark.skipif("bf16" not in cpu_math.supported(), reason="no bf16 CPU math here")]
+              pytest.mark.skipif(cpu_fused_ops.load() is None, reason="no C compiler: the torch layers run")]
+# the bf16 math needs bf16 dot products (oneDNN refuses bfloat16 weights on an AVX2-only CPU)
+needs_bf16 = pytest.mark.skipif("bf16" not in cpu_math.supported(), reason="no bf16 CPU math here")
+needs_w4a8 = pytest.mark.skipif(not cpu_w4a8.available(), reason="needs an x86 CPU with AVX2 and a C compiler")
 
 
 @pytest.fixture(scope="module")
 def bf16_model(default_model_path):
     from nightshift.engine.loader import load_model
+    if "bf16" not in cpu_math.supported():
+        pytest.skip("no bf16 CPU math here")
     return load_model(default_model_path, dtype=torch.float32, cpu_math="bf16")
 
 
@@ -107,17 +109,22 @@ def test_the_torch_layers_run_where_a_piece_does_not_fit(bf16_model, fp32_model,
         bf16_model.fused_layers = saved
 
 
-@pytest.mark.parametrize("kernel", ["dense", pytest.param("w4a8", marks=pytest.mark.skipif(
-    not cpu_w4a8.available(), reason="needs an x86 CPU with AVX2 and a C compiler"))])
-def test_an_int4_model_on_the_bf16_math_runs_the_fused_layers_too(default_model_path, kernel):
-    """The INT4 default (GGUF Q4 import) on the bf16 math: its projections compute bfloat16 in and
-    out (quant/int4_linear.py: tinygemm for steps of up to 8 rows, the kept dense bf16 weight
-    above; or every step on the W4A8 kernel), so the layers fuse; same schedule, the same logits as
+@pytest.mark.parametrize("math,kernel", [pytest.param("bf16", "dense", marks=needs_bf16),
+                                         pytest.param("bf16", "w4a8", marks=[needs_bf16, needs_w4a8]),
+                                         pytest.param("float32", "w4a8", marks=needs_w4a8)])
+def test_an_int4_model_runs_the_fused_layers_too(default_model_path, fp32_model, math, kernel):
+    """The INT4 default (GGUF Q4 import) on the bf16 math (quant/int4_linear.py: tinygemm for steps
+    of up to 8 rows, the kept dense bf16 weight above), or on the W4A8 kernel on either math: its
+    projections compute bfloat16 in and out, so the layers fuse; same schedule, the same logits as
     its torch layers up to where the two round (the fused form rounds each projection's output to
-    bfloat16): KL 1.8e-3 (dense), as the dense model's two forms differ (2.0e-3 on this schedule)."""
+    bfloat16): KL 1.8e-3 (bf16, dense), as the dense model's two forms differ (2.0e-3 on this
+    schedule). On the W4A8 kernel a bfloat16 rounding of a projection's input moves some int8
+    activations by a step, which random tokens amplify (KL ~0.06 between the two forms), so there
+    both forms run chat prompts and are judged against the float32 model: the fused one drifts about
+    as much as the torch layers on the same kernel (bench.quality's prompts: KL 0.020 against 0.018)."""
     from nightshift.engine.loader import load_model
     from nightshift.engine.quant.config import resolve_quant_config
-    model = load_model(default_model_path, dtype=torch.float32, cpu_math="bf16", quant_config=resolve_quant_config("int4"),
+    model = load_model(default_model_path, dtype=torch.float32, cpu_math=math, quant_config=resolve_quant_config("int4"),
                        cpu_int4=kernel)
     assert model.fused_layers is not None and model.kv_dtype == torch.bfloat16
     g = torch.Generator().manual_seed(2)
@@ -126,7 +133,21 @@ def test_an_int4_model_on_the_bf16_math_runs_the_fused_layers_too(default_model_
     runner = ModelRunner(model, num_kv_blocks=40, block_size=16)
     fused = schedule(runner, model.fused_layers, prompts, forced)
     torch_layers = schedule(runner, None, prompts, forced)
-    assert kl(fused, torch_layers) < 4e-3, kl(fused, torch_layers)
-    assert (fused.argmax(-1) == torch_layers.argmax(-1)).float().mean() > 0.95
-    alone = runner.execute([StepItem([7], len(prompts[1]), list(range(8, 16)))])   # 1 row: tinygemm
+    if kernel == "w4a8":
+        from nightshift.engine.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(default_model_path)
+        chats = [("What is the capital of France?", "The capital of France is Paris, a city on the Seine."),
+                 ("Name three primary colors.", "The three primary colors are red, yellow and blue."),
+                 ("Write a haiku about the sea.", "Waves fold into foam, the tide keeps its quiet time."),
+                 ("Why is the sky blue?", "Sunlight scatters off the air, and blue light scatters most.")]
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q, _ in chats]
+        forced = [tokenizer.encode(a)[:8] for _, a in chats]
+        fused = schedule(runner, model.fused_layers, prompts, forced)
+        torch_layers = schedule(runner, None, prompts, forced)
+        reference = schedule(ModelRunner(fp32_model, num_kv_blocks=40, block_size=16), None, prompts, forced)
+        assert kl(fused, reference) < 1.25 * kl(torch_layers, reference)
+    else:
+        assert kl(fused, torch_layers) < 4e-3, kl(fused, torch_layers)
+        assert (fused.argmax(-1) == torch_layers.argmax(-1)).float().mean() > 0.95
+    alone = runner.execute([StepItem([7], len(prompts[1]), list(range(8, 16)))])   # 1 row (dense: tinygemm)
     assert torch.isfinite(alone).all()

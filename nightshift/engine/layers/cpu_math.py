@@ -31,13 +31,14 @@ choice and measures once. int8 is left out of ``auto``: on the standard prompts 
 float32 more than HF's own bfloat16 does (bench/quality.py --maths reports it), so it runs only
 when asked for.
 
-INT4 layers (engine/quant/int4_linear.py) have their own choice (``choose_int4``), made the same
-way: ``dense`` (torch's int4 kernel for steps of a few rows, the dequantized weight on the model's
-math above) or ``w4a8`` (engine/quant/cpu_w4a8.py: the 4-bit weight against int8 activations, as
-llama.cpp's Q4 x Q8_0). A model quantized to INT4 has accepted a lossy weight; the int8
-activations add less to that than the weight's own rounding (bench/quality.py ``--kernels w4a8``
-reports both against full precision), so ``auto`` takes w4a8 where it measures faster.
-``NIGHTSHIFT_CPU_INT4=dense|w4a8|auto`` (default auto) forces it.
+INT4 layers (engine/quant/int4_linear.py) have their own choice (``choose_int4``): ``dense``
+(torch's int4 kernel for steps of a few rows, the dequantized weight on the model's math above)
+or ``w4a8`` (engine/quant/cpu_w4a8.py: the 4-bit weight against int8 activations per block of
+32, as llama.cpp's Q4 x Q8_0; ~1.85x float32's matmul time on an AVX2 EPYC). ``w4a8`` runs only
+when asked for, ``NIGHTSHIFT_CPU_INT4=dense|w4a8|auto`` (auto: dense), for the same reason as
+int8: on the quality prompts the default model on it drifts from HF float32 far more than HF's
+own bfloat16 does (``bench/quality.py --maths float32 --int4-kernels dense,w4a8``; its error is
+the int8 activations', most of it in the q/k/v projection).
 """
 from __future__ import annotations
 
@@ -238,14 +239,11 @@ def choose(shapes: tuple[tuple[int, int], ...], requested_math: Optional[str] = 
     return Choice(best, "measured", seconds)
 
 
-def _measured(shapes: tuple[tuple[int, int], ...], candidates: tuple[str, ...], timer=None,
-              what: str = "") -> dict:
-    """Seconds of each candidate (``timer(shapes, candidate)``, default ``_time_math``) for one step
-    of every shape at each of PROBE_ROWS, from the disk cache when this machine measured them
-    before (`what` names the question in the cache key)."""
-    timer = timer or _time_math
+def _measured(shapes: tuple[tuple[int, int], ...], candidates: tuple[str, ...]) -> dict:
+    """Seconds of each candidate for one step of every shape at each of PROBE_ROWS, from the
+    disk cache when this machine measured them before."""
     key = json.dumps([torch.__version__, sorted(cpu_flags()), torch.get_num_threads(), shapes, PROBE_ROWS,
-                      candidates, what])
+                      candidates])
     path = cache_dir() / f"cpu_math-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     # one process measures, the others of the machine wait for its answer: all choose alike
@@ -255,7 +253,7 @@ def _measured(shapes: tuple[tuple[int, int], ...], candidates: tuple[str, ...], 
             return json.loads(path.read_text())
         except (OSError, ValueError):
             pass
-        seconds = {candidate: timer(shapes, candidate) for candidate in candidates}
+        seconds = {math: _time_math(shapes, math) for math in candidates}
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(seconds))
         os.replace(tmp, path)
@@ -275,10 +273,9 @@ def _time_math(shapes: tuple[tuple[int, int], ...], math: str, repeats: int = 3)
 
 
 
-def choose_int4(shapes: tuple[tuple[int, int], ...], math: str, requested_kernel: Optional[str] = None) -> Choice:
-    """How the INT4 layers of a float32 CPU model on `math` multiply (the module docstring):
-    ``requested_kernel`` or NIGHTSHIFT_CPU_INT4 when not "auto", else the faster of ``dense`` and
-    ``w4a8`` on these ``[out, in]`` shapes (w4a8 only if at least MARGIN faster)."""
+def choose_int4(requested_kernel: Optional[str] = None) -> Choice:
+    """How the INT4 layers of a float32 CPU model multiply (the module docstring):
+    ``requested_kernel`` or NIGHTSHIFT_CPU_INT4 when not "auto"; "auto" (the default) is dense."""
     from nightshift.engine.quant import cpu_w4a8     # quant imports this module: import on use
 
     kernel = (requested_kernel or os.environ.get(INT4_ENV, "auto")).strip().lower() or "auto"
@@ -287,37 +284,6 @@ def choose_int4(shapes: tuple[tuple[int, int], ...], math: str, requested_kernel
     if kernel == "w4a8" and not cpu_w4a8.available():
         raise RuntimeError(f"{INT4_ENV}=w4a8: the W4A8 kernel needs an x86 CPU with AVX2 and FMA and a C "
                            "compiler (cc); this machine has not both")
-    if kernel != "auto":
-        return Choice(kernel, "forced")
-    if not cpu_w4a8.available():
-        return Choice("dense", "no W4A8 kernel here")
-    seconds = _measured(tuple(shapes), INT4_KERNELS, functools.partial(_time_int4, math=math), f"int4 on {math}")
-    best = "w4a8" if seconds["w4a8"] < seconds["dense"] * (1 - MARGIN) else "dense"
-    return Choice(best, "measured", seconds)
-
-
-def _time_int4(shapes: tuple[tuple[int, int], ...], kernel: str, math: str, repeats: int = 3) -> float:
-    """One step of every shape at each of PROBE_ROWS through an INT4 layer's `kernel` (random
-    weights at group 32), as the model calls it: bfloat16 in and out on the bf16 math (the fused
-    layers' ``linear_bf16``), float32 otherwise."""
-    from nightshift.engine.quant import cpu_w4a8
-    from nightshift.engine.quant.format import quantize_rtn
-
-    generator = torch.Generator().manual_seed(0)
-    dtype = torch.bfloat16 if math == "bf16" else torch.float32
-    total = 0.0
-    for out_features, in_features in dict.fromkeys(shapes):
-        int4 = quantize_rtn(torch.randn(out_features, in_features, generator=generator), 32, clip_search=False)
-        if kernel == "w4a8":
-            call = cpu_w4a8.W4A8Weight(int4).linear
-        else:
-            dense = int4.dequantize()
-            if applies(dense, math):
-                held = prepare(dense, math)
-                call = held.linear_bf16 if math == "bf16" else held.linear
-            else:
-                call = functools.partial(torch.nn.functional.linear, weight=dense)
-        for rows in PROBE_ROWS:
-            x = torch.randn(rows, in_features, generator=generator).to(dtype)
-            total += cpu_gemm.best_seconds(lambda: call(x), repeats) * shapes.count((out_features, in_features))
-    return total
+    if kernel == "auto":
+        return Choice("dense", "default; w4a8 only when asked for")
+    return Choice(kernel, "forced")

@@ -1,5 +1,6 @@
-"""Decoder layers on the CPU's bf16 math as a few fused C kernels: the Llama-shaped layer
-(FusedCpuLayer) and Gemma 2/3's (FusedGemmaCpuLayer).
+"""Decoder layers whose projections compute bfloat16 in and out (the CPU's bf16 math, or INT4 on
+the W4A8 kernel) as a few fused C kernels: the Llama-shaped layer (FusedCpuLayer) and Gemma
+2/3's (FusedGemmaCpuLayer).
 
 The torch layer (llama.DecoderLayer) with the bf16 CPU math casts every linear's input to
 bfloat16 and its result back to float32, and runs its norms, RoPE, K/V store and SiLU-and-mul as
@@ -19,8 +20,8 @@ V are rounded once as they are stored, as a bfloat16 model's are, and attention,
 bound by reading the pool, reads half the bytes.
 
 It runs where every piece fits (``build``): a float32 model on CPU whose projections compute
-bfloat16 in and out (dense bf16 weights: engine/layers/cpu_math.py chose or was told bf16; or
-INT4 layers on that math), every layer of a form the model class names (``fused_cpu_form``: the
+bfloat16 in and out (dense bf16 weights: engine/layers/cpu_math.py chose or was told bf16; INT4
+layers on that math; or INT4 layers on the W4A8 kernel on any math, quant/cpu_w4a8.py), every layer of a form the model class names (``fused_cpu_form``: the
 plain Llama layer, with Qwen3's per-head q/k RMSNorms or Qwen2's q/k/v bias; Gemma's layer), the C
 kernels built, and, per step, the CPU kernel attention backend (whose K/V store this replaces).
 Anything else keeps the torch layer. ``NIGHTSHIFT_CPU_FUSED_OPS=0`` turns it off.
@@ -43,8 +44,9 @@ BACKEND = "cpu-kernel"      # the attention backend whose K/V store rope_store d
 
 def _bf16_weight(module, bias_allowed: bool):
     """What computes the projection bfloat16 in and out (``linear_bf16``): a dense layer's
-    Bf16Weight, or an INT4 layer on the bf16 math (quant/int4_linear.py: tinygemm for small steps,
-    its dequantized Bf16Weight for large ones); None where neither applies."""
+    Bf16Weight, or an INT4 layer that can (quant/int4_linear.py ``bf16_ready``: on the W4A8
+    kernel, or on the bf16 math with tinygemm for small steps and its dequantized Bf16Weight for
+    large ones); None where neither applies."""
     if module.bias is not None and not bias_allowed:
         return None
     if type(module) is DenseLinear and isinstance(module.packed, Bf16Weight):

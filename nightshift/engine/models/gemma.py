@@ -67,7 +67,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def fused_cpu_form(self, layer: nn.Module):
         """This module's own layer (Gemma norms, GeGLU, the config's q/k norms, windows and
-        soft-capping) runs as models/fused_cpu_layer.FusedGemmaCpuLayer on the bf16 CPU math."""
+        soft-capping) runs as models/fused_cpu_layer.FusedGemmaCpuLayer where its projections
+        compute bfloat16 (the bf16 CPU math, or INT4 on the W4A8 kernel)."""
         if type(layer) is not GemmaDecoderLayer:
             return None
         attn = layer.self_attn

@@ -265,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
         # their own base: Gemma 3) or "global"
         self.layer_rope = ["local" if "local" in self.rotary and config.is_sliding(i) else "global"
                            for i in range(config.num_layers)]
-        # the same layers as fused C kernels where the CPU's bf16 math and the layer shape allow
+        # the same layers as fused C kernels where the projections compute bfloat16 (the CPU's bf16
+        # math, or INT4 on the W4A8 kernel) and the layer shape allows
         # (models/fused_cpu_layer.py); None: the torch layers always
         self.fused_layers = fused_cpu_layer.build(self, self.fused_cpu_form)
         # on CUDA, the same layers with their small ops as Triton kernels (models/fused_gpu_layer.py)

@@ -128,11 +128,13 @@ class Int4Linear(nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def bf16_ready(self) -> bool:
-        """Whether ``linear_bf16`` runs here: a CPU layer on the bf16 math (engine/layers/cpu_math.py),
-        no AWQ input scale, on the W4A8 kernel or with its dense weight kept (models/fused_cpu_layer.py
-        takes it then)."""
-        return (self.qweight.device.type == "cpu" and self.cpu_math == "bf16" and self.input_scale is None
-                and (self.cpu_kernel == "w4a8" or self.cache_dense_weight))
+        """Whether ``linear_bf16`` runs here (models/fused_cpu_layer.py takes the layer then): a CPU
+        layer with no AWQ input scale, on the W4A8 kernel (whatever the CPU math: it takes and gives
+        bfloat16 on any AVX2 CPU, and its int8 activations round far more than bfloat16 does), or on
+        the bf16 math (engine/layers/cpu_math.py) with its dense weight kept."""
+        if self.qweight.device.type != "cpu" or self.input_scale is not None:
+            return False
+        return self.cpu_kernel == "w4a8" or (self.cpu_math == "bf16" and self.cache_dense_weight)
 
     def linear_bf16(self, x2d: torch.Tensor) -> torch.Tensor:
         """bfloat16 ``[M, K]`` -> bfloat16 ``[M, N]``, bias not added (the fused CPU layer adds the
