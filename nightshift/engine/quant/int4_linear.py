@@ -4,9 +4,9 @@ What runs, chosen per call by ``Int4Linear.kernel_for`` (engine/quant/README.md 
 * CUDA: the Triton kernels of engine/quant/triton_int4.py on the packed weight (a GEMV, tensor-core
   tiles, or a dequantization pass + cuBLAS) or torch's CUDA int4 kernel, the fastest measured per
   shape and step size (engine/quant/int4_dispatch.py).
-* CPU with ``cpu_kernel="w4a8"`` (engine/layers/cpu_math.py ``choose_int4`` picks it where it
-  measures faster): every step through engine/quant/cpu_w4a8.py, the 4-bit weight (repacked on
-  first use) against int8 activations; no dense copy of the weight is kept.
+* CPU with ``cpu_kernel="w4a8"`` (only when asked for: engine/layers/cpu_math.py ``choose_int4``):
+  every step through engine/quant/cpu_w4a8.py, the 4-bit weight (repacked on first use) against
+  int8 activations; no dense copy of the weight is kept.
 * CPU (``cpu_kernel="dense"``), steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU
   kernel (tinygemm), with bfloat16 activations (its float32 mode is ~6x slower here; the result
   is cast back).

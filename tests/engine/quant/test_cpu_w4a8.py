@@ -54,7 +54,6 @@ def test_matches_the_quantized_product(out_features, in_features, group, rows):
     got_b = packed.linear(xb)
     assert got_b.dtype == torch.bfloat16
     assert torch.equal(got_b, packed.linear(xb.float()).bfloat16())
-    assert packed.linear(x, out_dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_a_row_does_not_depend_on_the_rest_of_the_call():
