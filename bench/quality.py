@@ -262,21 +262,18 @@ def evaluate_maths(model: str = "default", num_prompts: int = 64, new_tokens: in
     results.append(compare("HF bfloat16", hf_teacher_forced(hf16, prompts, ref_tokens),
                            hf_greedy(hf16, prompts, new_tokens), time.perf_counter() - t0))
     del hf16
-    for math in maths:
+    def ours(name: str, **load_args) -> Comparison:
+        """Our engine's model loaded with `load_args`, teacher-forced and greedy."""
         t0 = time.perf_counter()
-        net = load_model(model, dtype=torch.float32, cache_dir=cache_dir, cpu_math=math)
+        net = load_model(model, dtype=torch.float32, cache_dir=cache_dir, **load_args)
         stepper = _Stepper(net, prompts, new_tokens)
         _, forced_lp = stepper.run(new_tokens, forced=ref_tokens)
         greedy, _ = stepper.run(new_tokens)
-        results.append(compare(f"nightshift {math}", forced_lp, greedy, time.perf_counter() - t0))
-    for kernel in int4_kernels:
-        t0 = time.perf_counter()
-        net = load_model(model, dtype=torch.float32, cache_dir=cache_dir, quant_config=QuantConfig(), cpu_int4=kernel)
-        stepper = _Stepper(net, prompts, new_tokens)
-        _, forced_lp = stepper.run(new_tokens, forced=ref_tokens)
-        greedy, _ = stepper.run(new_tokens)
-        results.append(compare(f"nightshift int4 {kernel} ({net.cpu_math.math})", forced_lp, greedy,
-                               time.perf_counter() - t0))
+        return compare(name.format(math=net.cpu_math.math), forced_lp, greedy, time.perf_counter() - t0)
+
+    results += [ours(f"nightshift {math}", cpu_math=math) for math in maths]
+    results += [ours(f"nightshift int4 {kernel} ({{math}})", quant_config=QuantConfig(), cpu_int4=kernel)
+                for kernel in int4_kernels]
     return {"model": model, "prompts": len(prompts), "new_tokens": new_tokens, "reference": "HF float32",
             "comparisons": [asdict(r) for r in results]}
 

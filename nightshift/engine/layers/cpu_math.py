@@ -34,9 +34,9 @@ when asked for.
 INT4 layers (engine/quant/int4_linear.py) have their own choice (``choose_int4``): ``dense``
 (torch's int4 kernel for steps of a few rows, the dequantized weight on the model's math above)
 or ``w4a8`` (engine/quant/cpu_w4a8.py: the 4-bit weight against int8 activations per block of
-32, as llama.cpp's Q4 x Q8_0; about half the float32 math's matmul time on an AVX2 EPYC). ``w4a8`` runs only
-when asked for, ``NIGHTSHIFT_CPU_INT4=dense|w4a8|auto`` (auto: dense), for the same reason as
-int8: on the quality prompts the default model on it drifts from HF float32 far more than HF's
+32, as llama.cpp's Q4 x Q8_0; about half the float32 math's matmul time on an AVX2 EPYC).
+``w4a8`` runs only when asked for, ``NIGHTSHIFT_CPU_INT4=dense|w4a8|auto`` (auto: dense), for
+the same reason as int8: on the quality prompts the default model on it drifts from HF float32 far more than HF's
 own bfloat16 does (``bench/quality.py --maths float32 --int4-kernels dense,w4a8``; its error is
 the int8 activations', most of it in the q/k/v projection).
 """

@@ -21,9 +21,10 @@ bound by reading the pool, reads half the bytes.
 
 It runs where every piece fits (``build``): a float32 model on CPU whose projections compute
 bfloat16 in and out (dense bf16 weights: engine/layers/cpu_math.py chose or was told bf16; INT4
-layers on that math; or INT4 layers on the W4A8 kernel on any math, quant/cpu_w4a8.py), every layer of a form the model class names (``fused_cpu_form``: the
-plain Llama layer, with Qwen3's per-head q/k RMSNorms or Qwen2's q/k/v bias; Gemma's layer), the C
-kernels built, and, per step, the CPU kernel attention backend (whose K/V store this replaces).
+layers on that math; or INT4 layers on the W4A8 kernel on any math, quant/cpu_w4a8.py), every
+layer of a form the model class names (``fused_cpu_form``: the plain Llama layer, with Qwen3's
+per-head q/k RMSNorms or Qwen2's q/k/v bias; Gemma's layer), the C kernels built, and, per step,
+the CPU kernel attention backend (whose K/V store this replaces).
 Anything else keeps the torch layer. ``NIGHTSHIFT_CPU_FUSED_OPS=0`` turns it off.
 """
 from __future__ import annotations
