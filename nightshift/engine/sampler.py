@@ -1,7 +1,8 @@
 """Token sampling for a whole step at once.
 
 First the logits processors (engine/logits_processors.py: logit_bias, min_tokens, grammar masks,
-penalties), only for the rows that ask for them. Greedy rows then take the argmax. Other rows:
+penalties), only for the rows that ask for them. Greedy rows then take the argmax (on the CPU a
+C kernel of torch's answer, engine/kernels/cpu_argmax.py). Other rows:
 logits / temperature, then min_p, then top-k and top-p masks (one sort for the whole batch),
 then the exponential race `argmax(probs / Exp(1))`, which draws exactly from `probs`. Unseeded
 rows share one batch-wide noise draw; a seeded request draws its own row of noise from its own
@@ -23,6 +24,7 @@ from typing import Optional, Protocol, Sequence as Seq
 
 import torch
 
+from nightshift.engine.kernels.cpu_argmax import row_argmax
 from nightshift.engine.logits_processors import (TokenHistory, add_logit_bias, apply_grammar_masks, apply_min_p,
                                                  apply_penalties, bar_stop_tokens)
 from nightshift.engine.types import SamplingParams
@@ -84,7 +86,7 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[Op
             rows, bitmask = refused
             again = scores.of(rows)
             dead = set(apply_grammar_masks(again, list(range(len(rows))), bitmask))
-            for j, (row, token) in enumerate(zip(rows, again.argmax(dim=-1).tolist())):
+            for j, (row, token) in enumerate(zip(rows, row_argmax(again).tolist())):
                 chosen[row] = token
                 if j in dead:
                     dead_ends.append(row)
@@ -161,13 +163,13 @@ def _choose(logits: torch.Tensor, params: Seq[SamplingParams],
     temps = [p.temperature for p in params]
     greedy = [t < GREEDY_TEMPERATURE for t in temps]
     if all(greedy):
-        return logits.argmax(dim=-1), _Scores(logits)
+        return row_argmax(logits), _Scores(logits)
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
     greedy_rows = [i for i, g in enumerate(greedy) if g]
     random_rows = [i for i, g in enumerate(greedy) if not g]
     if greedy_rows:
         idx = torch.tensor(greedy_rows, device=logits.device)
-        tokens[idx] = logits[idx].argmax(dim=-1)
+        tokens[idx] = row_argmax(logits[idx])
     idx = torch.tensor(random_rows, device=logits.device)
     scaled = logits[idx] / torch.tensor([temps[i] for i in random_rows], device=logits.device).unsqueeze(1)
     min_ps = [params[i].min_p for i in random_rows]
@@ -189,5 +191,5 @@ def _choose(logits: torch.Tensor, params: Seq[SamplingParams],
     for j, gen in seeded:
         noise[j].exponential_(generator=gen)
     race = probs.div_(noise)
-    tokens[idx] = race.argmax(dim=-1)
+    tokens[idx] = row_argmax(race)
     return tokens, _Scores(logits, race, {row: j for j, row in enumerate(random_rows)})
