@@ -9,11 +9,9 @@ import torch
 from nightshift.engine.kernels import cpu_paged_attention
 
 
-def reference(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None, bf16_dots=False):
+def reference(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=None):
     """Each row: gather its positions' K/V by block table (the last `window` of them with a
-    window), repeat K/V per query head, soft-cap the scores where asked, softmax. `bf16_dots`:
-    the kernel's bfloat16 dot products (cpu_paged_attention.bf16_dots): the scaled query and the
-    softmax weights rounded to bfloat16, the weights normalized by their rounded sum."""
+    window), repeat K/V per query head, soft-cap the scores where asked, softmax."""
     _, block_size, kv_heads, dim = k_cache.shape
     heads = q.shape[1]
     out = []
@@ -22,15 +20,10 @@ def reference(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=Non
         slots = tables[i].long()[pos // block_size] * block_size + pos % block_size
         keys = k_cache.reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
         values = v_cache.reshape(-1, kv_heads, dim)[slots].repeat_interleave(heads // kv_heads, dim=1)
-        query = (q[i] * scale).bfloat16().double() if bf16_dots else q[i].double() * scale
-        scores = torch.einsum("hd,thd->ht", query, keys.double())
+        scores = torch.einsum("hd,thd->ht", q[i].double(), keys.double()) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        if bf16_dots:
-            weights = torch.exp(scores - scores.max(dim=-1, keepdim=True).values).float().bfloat16().double()
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        else:
-            weights = torch.softmax(scores, dim=-1)
+        weights = torch.softmax(scores, dim=-1)
         out.append(torch.einsum("ht,thd->hd", weights, values.double()))
     return torch.stack(out).float()
 
@@ -63,10 +56,9 @@ def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size, port
     q = torch.randn(len(lens), heads, dim) * 3   # sharp softmaxes too
     lengths = torch.tensor(lens, dtype=torch.int32)
     out = cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lengths, dim ** -0.5, portable)
-    dots = cpu_paged_attention.bf16_dots(dim, portable, kv_dtype)
-    expected = reference(q, k_cache.float(), v_cache.float(), tables, lengths, dim ** -0.5, bf16_dots=dots)
+    expected = reference(q, k_cache.float(), v_cache.float(), tables, lengths, dim ** -0.5)
     assert out.shape == q.shape
-    assert (out - expected).abs().max().item() < (2e-3 if dots else 1e-4)
+    assert (out - expected).abs().max().item() < 1e-4
     # a row's result is the same bits whatever rows share the call (a lone request = a batched one)
     for i in (0, 3, 5):
         alone = cpu_paged_attention.paged_attention(q[i:i + 1], k_cache, v_cache, tables[i:i + 1].contiguous(),
@@ -89,14 +81,13 @@ def test_sliding_window_and_soft_capping(window, softcap, portable):
     lens = torch.tensor([1, 5, 9, 23, 40], dtype=torch.int32)
     tables = torch.arange(5 * 10, dtype=torch.int32).view(5, 10)
     q = torch.randn(5, heads, dim, generator=g) * 3
-    dots = cpu_paged_attention.bf16_dots(dim, portable, torch.bfloat16)
-    expected = reference(q, k_cache.float(), v_cache.float(), tables, lens, dim ** -0.5, window, softcap, dots)
+    expected = reference(q, k_cache.float(), v_cache.float(), tables, lens, dim ** -0.5, window, softcap)
     if window is not None:     # blocks before each row's window given back
         for i, n in enumerate(lens.tolist()):
             tables[i, :max(0, n - window) // block_size] = -1
     out = cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, portable,
                                               window=window, softcap=softcap)
-    assert (out - expected).abs().max().item() < (2e-3 if dots else 1e-4)
+    assert (out - expected).abs().max().item() < 1e-4
     with pytest.raises(ValueError, match="positive"):
         cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lens, 1.0, window=0)
 

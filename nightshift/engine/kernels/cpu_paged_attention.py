@@ -15,12 +15,7 @@ rows only.
 
 At 256 rows of ~300 positions the kernel is bound by reading the rows' own K/V from memory (the
 shared prefix stays in cache): a pool of bfloat16 K/V (what the fused bf16 layers use,
-models/fused_cpu_layer.py) halves that. The arithmetic is float32 on the stored values, except
-where the CPU multiplies bfloat16 pairs in hardware (avx512_bf16; ``bf16_dots``): there a
-bfloat16 pool is used as stored, never widened, against the scaled query and the softmax weights
-rounded to bfloat16 (as a bfloat16 model's attention rounds them), half the instructions of
-widening every K and V value (a 256-row call over ~330 positions with all of its K/V in cache:
-3.9-4.2 -> 3.2-3.4 ms on a 2-core Xeon with AMX, timed ad hoc).
+models/fused_cpu_layer.py) halves that; the arithmetic stays float32 either way.
 
 Built on first use per (query heads per KV head, head dim, pool dtype) with the system C compiler
 (`cc -O3 -march=native -fopenmp`, the first two as constants so the inner loops unroll) through
@@ -38,7 +33,6 @@ from typing import Optional
 
 import torch
 
-from nightshift.engine.cpu_features import cpu_flags
 from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
 
 SOURCE = r"""
@@ -64,13 +58,6 @@ static inline float kv_f32(kv_t x) { return x; }
 #if defined(__AVX512F__) && HD % 16 == 0 && !defined(PORTABLE)
 #define VEC 1
 #define NV (HD / 16)
-/* BF16_DOTS (a bfloat16 pool, head dim a multiple of 32, avx512_bf16): vdpbf16ps multiplies bf16
-   pairs into float32 lanes, so K and V are used as stored, never widened: the scaled query and the
-   softmax weights are rounded to bfloat16 for it (as a bfloat16 model's attention does), the
-   normalizer is the sum of the rounded weights */
-#if defined(BF16_DOTS)
-#define NB (HD / 32)
-#endif
 #ifdef KV_BF16
 #define LOAD_KV(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #else
@@ -119,10 +106,6 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
     {
         float *scores = (float *)malloc(sizeof(float) * H * stride);
         float *qs = (float *)malloc(sizeof(float) * H * HD), *acc = (float *)malloc(sizeof(float) * H * HD);
-#ifdef NB
-        __m512bh *qb = (__m512bh *)aligned_alloc(64, sizeof(__m512bh) * H * NB);
-        uint16_t *pb = (uint16_t *)malloc(sizeof(uint16_t) * H * stride);
-#endif
         #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; i++) {
             const int64_t L = lens[i], nb = (L + bs - 1) / bs;
@@ -131,10 +114,6 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
             const int64_t first = window > 0 && L > window ? L - window : 0, b0 = first / bs;
             const int32_t *tab = tables + i * tw;
             for (int64_t d = 0; d < H * HD; d++) { qs[d] = q[i * H * HD + d] * scale; acc[d] = 0.f; }
-#ifdef NB
-            for (int64_t c = 0; c < H * NB; c++)      /* cvtne2ps_pbh(hi, lo): lo fills the low 16 */
-                qb[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qs + 32 * c + 16), _mm512_loadu_ps(qs + 32 * c));
-#endif
             for (int64_t b = b0; b < nb; b++) {
                 const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
                 /* the blocks are scattered through the pool: start the next block's K, and this
@@ -146,34 +125,11 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                 for (int64_t h = 0; h < KVH; h++) {
                     const kv_t *kb = k_cache + (int64_t)tab[b] * bs * row + h * HD;
 #ifdef VEC
-#ifdef NB
-                    /* each position's K read once for the GQ query heads of its KV head (their
-                       dot products independent of each other) */
-                    const __m512bh *qh = qb + h * GQ * NB;
-                    for (int64_t j0 = 0; j0 < cnt; j0 += 16) {
-                        const int64_t c = cnt - j0 < 16 ? cnt - j0 : 16;
-                        __m512 part[GQ][16];
-                        for (int j = 0; j < 16; j++) {
-                            __m512 sg[GQ];
-                            for (int g = 0; g < GQ; g++) sg[g] = _mm512_setzero_ps();
-                            if (j < c) {
-                                const kv_t *kp = kb + (j0 + j) * row;
-                                for (int u = 0; u < NB; u++) {
-                                    const __m512bh kv = (__m512bh)_mm512_loadu_si512(kp + 32 * u);
-                                    for (int g = 0; g < GQ; g++) sg[g] = _mm512_dpbf16_ps(sg[g], qh[g * NB + u], kv);
-                                }
-                            }
-                            for (int g = 0; g < GQ; g++) part[g][j] = sg[g];
-                        }
-                        for (int g = 0; g < GQ; g++)
-                            _mm512_storeu_ps(scores + (h * GQ + g) * stride + t0 + j0, sum16(part[g]));
-                    }
-#else
                     for (int64_t j0 = 0; j0 < cnt; j0 += 16) {
                         const int64_t c = cnt - j0 < 16 ? cnt - j0 : 16;
                         for (int g = 0; g < GQ; g++) {
-                            __m512 part[16];
                             const float *qg = qs + (h * GQ + g) * HD;
+                            __m512 part[16];
                             for (int j = 0; j < 16; j++) {
                                 if (j < c) {
                                     const kv_t *kp = kb + (j0 + j) * row;
@@ -188,7 +144,6 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                             _mm512_storeu_ps(scores + (h * GQ + g) * stride + t0 + j0, sum16(part));
                         }
                     }
-#endif
 #else
                     for (int64_t j = 0; j < cnt; j++) {
                         const kv_t *kp = kb + j * row;
@@ -204,9 +159,7 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                 }
             }
             float l[H];
-            /* from s0 (the window's first block, aligned down to whole vectors) to L - 1: those
-               before `first` weigh nothing */
-            const int64_t s0 = (b0 * bs) & ~(int64_t)15;
+            const int64_t s0 = b0 * bs;                   /* the scores written: s0 .. L-1 */
             for (int64_t hg = 0; hg < H; hg++) {
                 float *sg = scores + hg * stride, total = 0.f, mg = -3.0e38f;
                 if (softcap > 0.f)                        /* soft-capping: softcap * tanh(score / softcap) */
@@ -217,52 +170,13 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                 for (int64_t t = L; t < padded; t++) sg[t] = -INFINITY;
                 #pragma omp simd reduction(+:total)
                 for (int64_t t = s0; t < padded; t++) { sg[t] = expf(sg[t] - mg); total += sg[t]; }
-#ifdef NB
-                /* the weights rounded to bfloat16 (what the V pass multiplies by) and their sum */
-                uint16_t *pg = pb + hg * stride;
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t t = s0; t < padded; t += 16) {
-                    const __m256i e = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sg + t));
-                    _mm256_storeu_si256((__m256i *)(pg + t), e);
-                    sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(e), 16)));
-                }
-                total = _mm512_reduce_add_ps(sum);
-#endif
                 l[hg] = total;
             }
             for (int64_t b = b0; b < nb; b++) {
                 const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
                 for (int64_t h = 0; h < KVH; h++) {
                     const kv_t *vb = v_cache + (int64_t)tab[b] * bs * row + h * HD;
-#ifdef NB
-                    /* two positions at a time: their V rows interleaved word by word (unpacklo/hi
-                       within each 128-bit lane) against the pair of their weights; accumulator 2u
-                       holds dims 32u + 8k + m and 2u + 1 dims 32u + 8k + 4 + m in lane 4k + m
-                       (put back in order at the end) */
-                    __m512 av[GQ][NV];
-                    for (int g = 0; g < GQ; g++)
-                        for (int v = 0; v < NV; v++) av[g][v] = _mm512_loadu_ps(acc + (h * GQ + g) * HD + 16 * v);
-                    for (int64_t j = 0; j < cnt; j += 2) {
-                        const kv_t *vp = vb + j * row;
-                        __m512i lo[NB], hi[NB];
-                        for (int u = 0; u < NB; u++) {
-                            const __m512i a = _mm512_loadu_si512(vp + 32 * u);
-                            const __m512i n = j + 1 < cnt ? _mm512_loadu_si512(vp + row + 32 * u) : _mm512_setzero_si512();
-                            lo[u] = _mm512_unpacklo_epi16(a, n); hi[u] = _mm512_unpackhi_epi16(a, n);
-                        }
-                        for (int g = 0; g < GQ; g++) {
-                            uint32_t w2; memcpy(&w2, pb + (h * GQ + g) * stride + t0 + j, 4);
-                            if (j + 1 == cnt) w2 &= 0xFFFFu;       /* no second position */
-                            const __m512bh p = (__m512bh)_mm512_set1_epi32(w2);
-                            for (int u = 0; u < NB; u++) {
-                                av[g][2 * u] = _mm512_dpbf16_ps(av[g][2 * u], (__m512bh)lo[u], p);
-                                av[g][2 * u + 1] = _mm512_dpbf16_ps(av[g][2 * u + 1], (__m512bh)hi[u], p);
-                            }
-                        }
-                    }
-                    for (int g = 0; g < GQ; g++)
-                        for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + (h * GQ + g) * HD + 16 * v, av[g][v]);
-#elif defined(VEC)
+#ifdef VEC
                     __m512 av[GQ][NV];
                     for (int g = 0; g < GQ; g++)
                         for (int v = 0; v < NV; v++) av[g][v] = _mm512_loadu_ps(acc + (h * GQ + g) * HD + 16 * v);
@@ -293,20 +207,10 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
             for (int64_t hg = 0; hg < H; hg++) {
                 const float inv = 1.f / l[hg];
                 float *o = out + (i * H + hg) * HD;
-#ifdef NB
-                for (int d = 0; d < HD; d++) {   /* dim d's lane (see the V pass) */
-                    const int e = d % 32, k = e / 8, r = e % 8;
-                    o[d] = acc[hg * HD + d - e + (r < 4 ? 4 * k + r : 16 + 4 * k + r - 4)] * inv;
-                }
-#else
                 for (int d = 0; d < HD; d++) o[d] = acc[hg * HD + d] * inv;
-#endif
             }
         }
         free(scores); free(qs); free(acc);
-#ifdef NB
-        free(qb); free(pb);
-#endif
     }
 }
 """
@@ -337,7 +241,6 @@ def load(group: int = 3, head_dim: int = 64, portable: bool = False,
             return None
         flags = [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}"]
         flags += (["-DPORTABLE"] if portable else []) + (["-DKV_BF16"] if kv_dtype == torch.bfloat16 else [])
-        flags += ["-DBF16_DOTS"] if bf16_dots(head_dim, portable, kv_dtype) else []
         lib = load_library(f"paged_attention-g{group}-d{head_dim}", SOURCE, flags)
         if lib is not None:
             fn = lib.paged_attention_f32
@@ -346,15 +249,6 @@ def load(group: int = 3, head_dim: int = 64, portable: bool = False,
                 [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
         _libs[shape] = lib
         return lib
-
-
-def bf16_dots(head_dim: int, portable: bool, kv_dtype: torch.dtype) -> bool:
-    """Whether the build multiplies bfloat16 pairs in hardware (avx512_bf16's vdpbf16ps): a
-    bfloat16 pool, a head dim that is a multiple of 32, not the portable loops. The scaled query
-    and the softmax weights are then rounded to bfloat16 (as in a bfloat16 model's attention);
-    elsewhere the arithmetic is float32 on the stored values."""
-    return (kv_dtype == torch.bfloat16 and head_dim % 32 == 0 and not portable
-            and {"avx512f", "avx512_bf16"} <= cpu_flags())
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
