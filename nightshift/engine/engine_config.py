@@ -98,13 +98,17 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
-def resolve_dtype(dtype, device: str) -> torch.dtype:
-    """None picks the measured default: bfloat16 on CUDA and on CPUs with AMX bf16 tiles, float32
-    on other CPUs, where bf16 linears measured 1.7-10x slower (engine/cpu_features.py)."""
+def resolve_dtype(dtype, device: str, cpu_default: Optional[torch.dtype] = None) -> torch.dtype:
+    """None picks the measured default: bfloat16 on CUDA; on CPU `cpu_default` where given (the
+    generation engine's float32: its layers choose their own CPU math, engine/layers/cpu_math.py),
+    else bfloat16 with AMX bf16 tiles and float32 on other CPUs, where bf16 linears measured
+    1.7-10x slower (engine/cpu_features.py)."""
     if dtype is None:
-        if device.startswith("cuda") or cpu_has_native_bf16():
+        if device.startswith("cuda"):
             return torch.bfloat16
-        return torch.float32
+        if cpu_default is not None:
+            return cpu_default
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in _DTYPES:

@@ -58,3 +58,7 @@ def test_device_and_dtype_resolution():
         resolve_device("tpu")
     assert resolve_dtype("bf16", "cpu") is torch.bfloat16 and resolve_dtype(torch.float16, "cpu") is torch.float16
     assert resolve_dtype(None, "cuda") is torch.bfloat16
+    # the generation engine's float32 on every CPU (its CPU math chooses bf16 where that is faster)
+    assert resolve_dtype(None, "cpu", cpu_default=torch.float32) is torch.float32
+    assert resolve_dtype(None, "cuda", cpu_default=torch.float32) is torch.bfloat16
+    assert resolve_dtype("bf16", "cpu", cpu_default=torch.float32) is torch.bfloat16
