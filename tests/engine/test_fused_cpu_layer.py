@@ -148,6 +148,13 @@ def test_an_int4_model_runs_the_fused_layers_too(default_model_path, fp32_model,
         assert kl(fused, reference) < 1.25 * kl(torch_layers, reference)
     else:
         assert kl(fused, torch_layers) < 4e-3, kl(fused, torch_layers)
-        assert (fused.argmax(-1) == torch_layers.argmax(-1)).float().mean() > 0.95
+        # the same top-1 wherever the torch layers' leads by more than 0.25 (two bfloat16 steps at
+        # these logits, ~20-30: both forms round the LM head's output to bfloat16). Only near-ties
+        # may flip: on a 2-core AMX Xeon 2 of 29 rows did (leads of 0.125 and 0), which a share of
+        # 95% equal, the rule before, did not allow
+        top2 = torch_layers.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.25
+        assert clear.sum() >= 10          # random tokens: about half the rows lead clearly (15 of 29)
+        assert torch.equal(fused.argmax(-1)[clear], torch_layers.argmax(-1)[clear])
     alone = runner.execute([StepItem([7], len(prompts[1]), list(range(8, 16)))])   # 1 row (dense: tinygemm)
     assert torch.isfinite(alone).all()
