@@ -76,8 +76,8 @@ class Engine:
         CPU math measured fastest at load (bf16 where the CPU has bf16 dot products or AMX tiles).
         A bfloat16 model instead (every tensor bfloat16, torch's layers and attention) measured
         1.42-1.46x slower on a 2-core Xeon with AMX (`bench.engine --skip-hf`, 607.4 / 582.2 against
-        887.0 / 827.6 output tok/s, interleaved) and drifts from float32 as HF's bfloat16 does.
-        The other options are EngineConfig's; None (or leaving one out) takes its default from there.
+        887.0 / 827.6 output tok/s, interleaved). The other options are EngineConfig's; None (or
+        leaving one out) takes its default from there.
         """
         config = EngineConfig.of(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                  block_size=block_size, num_kv_blocks=num_kv_blocks,
