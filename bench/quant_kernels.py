@@ -6,9 +6,11 @@
 CPU: shapes are SmolLM2-135M's per-layer projections (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536). Prints ms per step for: tinygemm int4, dense with the cached dequantized
 weight, dense dequantizing on every call, dense float32 (`F.linear`), the float32 CPU math
-(the weight packed for oneDNN, engine/layers/cpu_math.py: what a float32 model runs) and our
-W4A8 kernel (engine/quant/cpu_w4a8.py, float32 in and out; "-" where it does not run). Used to
-set DEFAULT_CPU_INT4_MAX_ROWS.
+(the weight packed for oneDNN, engine/layers/cpu_math.py: what a float32 model runs), the bf16
+CPU math (bfloat16 weights packed for oneDNN, bfloat16 activations; "-" on CPUs without native
+bf16), and our W4A8 kernel (engine/quant/cpu_w4a8.py, bfloat16 in and out as the fused layers
+call it; "-" where it does not run), in the form this CPU builds (AVX-512 VNNI where it has it)
+and, on such a CPU, its AVX2 form too ("w4a8 avx2"). Used to set DEFAULT_CPU_INT4_MAX_ROWS.
 
 CUDA: one decoder layer's projections (qkv, o, gate_up, down) of the named shape, several
 distinct layers so the weights come from memory, not L2, each timed as CUDA-graph replays (no
@@ -152,14 +154,18 @@ def main(argv=None) -> None:
         layers.append((w, pack_for_tinygemm(w), tinygemm_scales_and_zeros(w, dtype), w.dequantize(dtype),
                        w.dequantize(torch.float32)))
     maths = [cpu_math.prepare(dense32, "float32") for _, _, _, _, dense32 in layers]
+    bf16_maths = ([cpu_math.prepare(dense32, "bf16") for *_, dense32 in layers]
+                  if "bf16" in cpu_math.supported() else None)
     w4a8 = [cpu_w4a8.W4A8Weight(w) for w, *_ in layers] if cpu_w4a8.available() else None
+    vnni = cpu_w4a8.uses_vnni()
     print(f"threads={args.threads} dtype={args.dtype} group={args.group_size}; ms per step over "
           f"{args.layers} x (qkv+o+gate_up+down)")
     print(f"{'M':>5} {'int4 tinygemm':>14} {'dense cached':>13} {'dense dequant':>14} {'dense fp32':>11} "
-          f"{'fp32 math':>10} {'w4a8':>8}")
+          f"{'fp32 math':>10} {'bf16 math':>10} {'w4a8':>8} {'w4a8 avx2':>10}")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, dtype=dtype) for _, k in SHAPES}
         xs32 = {k: v.float() for k, v in xs.items()}
+        xs16 = {k: v.bfloat16() for k, v in xs.items()}
         reps = max(2, args.repeats // max(1, m // 16))
 
         def int4():
@@ -182,13 +188,19 @@ def main(argv=None) -> None:
             for (w, *_), held in zip(layers, maths):
                 held.linear(xs32[w.in_features])
 
-        def ours():
-            for (w, *_), packed in zip(layers, w4a8):
-                packed.linear(xs32[w.in_features])
+        def math16():
+            for (w, *_), held in zip(layers, bf16_maths):
+                held.linear_bf16(xs16[w.in_features])
 
+        def ours(avx2=False):
+            for (w, *_), packed in zip(layers, w4a8):
+                packed.linear(xs16[w.in_features], avx2=avx2)
+
+        t_16 = f"{_time(math16, reps):>10.3f}" if bf16_maths else f"{'-':>10}"
         t_ours = f"{_time(ours, reps):>8.3f}" if w4a8 else f"{'-':>8}"
+        t_avx2 = f"{_time(lambda: ours(avx2=True), reps):>10.3f}" if w4a8 and vnni else f"{'-':>10}"
         print(f"{m:>5} {_time(int4, reps):>14.3f} {_time(dense, reps):>13.3f} {_time(dequant, reps):>14.3f} "
-              f"{_time(dense32, reps):>11.3f} {_time(math32, reps):>10.3f} {t_ours}")
+              f"{_time(dense32, reps):>11.3f} {_time(math32, reps):>10.3f} {t_16} {t_ours} {t_avx2}")
 
 
 if __name__ == "__main__":

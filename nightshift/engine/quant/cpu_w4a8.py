@@ -7,18 +7,22 @@ block's absolute maximum mapped to 127, as GGUF's Q8_0) and multiplies 4-bit x i
     y[i, n] = sum_b  sw[n, g(b)] * dx[i, b] * sum_{k in b} q[n, k] * xq[i, k]      (integer dot)
             + sum_g  min[n, g] * sum_{k in g} x[i, k]                               (exact float sums)
 
-The integer dot is AVX2's ``vpmaddubsw`` (unsigned 4-bit weight x signed int8 activation, pairs
-summed into int16: 16 products of one block fit an int16 lane exactly, at most 16 * 15 * 127),
-``vpmaddwd`` by ones into int32 once per block, then one float multiply-add per block with the
-product of the two scales. A register tile of 4 rows x 16 outputs reuses every unpacked weight
-vector for 4 rows and every broadcast activation word for 16 outputs. The rows are padded to a
-multiple of 4 and the outputs to 16 (zero weights) inside the kernel's buffers.
+The integer dot is AVX-512 VNNI's ``vpdpbusd`` where the CPU has it (64 unsigned 4-bit weights x
+signed int8 activations, each int32 lane summing four products, in one instruction; a register
+tile of 4 rows x 32 outputs), else AVX2's ``vpmaddubsw`` (pairs summed into int16: 16 products of
+one block fit an int16 lane exactly, at most 16 * 15 * 127) and ``vpmaddwd`` by ones into int32
+once per block (a tile of 4 rows x 16 outputs); then one float multiply-add per block with the
+product of the two scales. Both forms compute the same integers and the same float operations in
+the same order, so they give the same bits (``load(avx2=True)`` builds the AVX2 form anywhere, for
+the tests and ``bench.quant_kernels``). The rows are padded to a multiple of 4 and the outputs to
+32 (zero weights) inside the kernel's buffers.
 
-Packed layout (``W4A8Weight.packed``): for each 8 outputs and each block of 32 input channels, 128 bytes as four
-32-byte vectors; vector ``L`` holds, for output ``o`` and byte ``j`` (0..3), the weight of input
-channel ``4L + j`` in the low nibble and ``16 + 4L + j`` in the high nibble, so a mask and a shift
-give two vectors of [8 outputs x 4 channels] bytes, ``vpmaddubsw``'s operand against four
-activation bytes broadcast to every lane. Scales and mins are float32 ``[N/8, K/G, 8]``.
+Packed layout (``W4A8Weight.packed``): for each 16 outputs and each block of 32 input channels,
+256 bytes as four 64-byte vectors; vector ``L`` holds, for output ``o`` and byte ``j`` (0..3), the
+weight of input channel ``4L + j`` in the low nibble and ``16 + 4L + j`` in the high nibble, so a
+mask and a shift give two vectors of [16 outputs x 4 channels] bytes, the multiply's operand
+against four activation bytes broadcast to every lane (AVX2 reads each vector as two halves of 8
+outputs). Scales and mins are float32 ``[N/16, K/G, 16]``.
 
 Needs AVX2 and FMA (``available``); every INT4 weight fits (its groups, 32, 64 or 128 channels,
 are whole blocks, and K a whole number of groups).
@@ -36,7 +40,7 @@ from nightshift.engine.quant.format import Int4Weight, unpack_int4
 
 BLOCK = 32          # activation quantization block (input channels), as Q8_0
 TILE_ROWS = 4       # rows of one register tile
-TILE_OUT = 16       # outputs of one register tile (two vectors of 8)
+TILE_OUT = 32       # outputs padded to a whole AVX-512 VNNI tile (two vectors of 16; AVX2's is 16)
 
 SOURCE = r"""
 #include <immintrin.h>
@@ -99,8 +103,76 @@ void quantize_rows(const void *x, int64_t M, int64_t Mp, int64_t K, int64_t G, i
 }
 
 /* y [M, N] (float32, or bfloat16 when y_bf16) = the W4A8 product (+ bias float32 [N] or NULL).
-   w: packed [Np/8, K/32, 4, 8, 4] bytes; sw, mw: float32 [Np/8, K/G, 8]; xq/dx/xs from quantize_rows
-   with Mp a multiple of 4; Np a multiple of 16. */
+   w: packed [Np/16, K/32, 4, 16, 4] bytes; sw, mw: float32 [Np/16, K/G, 16]; xq/dx/xs from
+   quantize_rows with Mp a multiple of 4; Np a multiple of 32. Both forms below compute the same
+   integer dots and the same float operations in the same order: the same bits. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && !defined(W4A8_AVX2)
+/* AVX-512 VNNI: `vpdpbusd` multiplies 64 unsigned weight bytes by the broadcast four activation
+   bytes and adds each lane's four products into int32 in one instruction. Register tile: 4 rows x
+   32 outputs (two vectors of 16), its float sums in registers too (32 of them here). */
+void w4a8_gemm(const int8_t *xq, const float *dx, const float *xs, int64_t M, int64_t Mp, int64_t K, int64_t G,
+               const uint8_t *w, const float *sw, const float *mw, const float *bias,
+               void *y, int64_t N, int64_t Np, int y_bf16) {
+    const int64_t nb = K / 32, ng = K / G, bpg = G / 32, quads = Np / 32, tiles = Mp / 4;
+    #pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t p = 0; p < quads; p++) {
+        for (int64_t t = 0; t < tiles; t++) {
+            const __m512i low = _mm512_set1_epi8(0x0F);
+            const int64_t v0 = 2 * p, m0 = 4 * t;       /* 16-output groups v0 and v0 + 1 */
+            const uint8_t *w0 = w + v0 * nb * 256, *w1 = w0 + nb * 256;
+            __m512 f[4][2];
+            for (int r = 0; r < 4; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
+            for (int64_t g = 0; g < ng; g++) {
+                const __m512 s0 = _mm512_loadu_ps(sw + (v0 * ng + g) * 16), s1 = _mm512_loadu_ps(sw + ((v0 + 1) * ng + g) * 16);
+                for (int64_t bb = 0; bb < bpg; bb++) {
+                    const int64_t b = g * bpg + bb;
+                    __m512i d[4][2];
+                    for (int r = 0; r < 4; r++) d[r][0] = d[r][1] = _mm512_setzero_si512();
+                    const int8_t *xb = xq + m0 * K + b * 32;
+                    const uint8_t *wb0 = w0 + b * 256, *wb1 = w1 + b * 256;
+                    for (int L = 0; L < 4; L++) {
+                        const __m512i raw0 = _mm512_loadu_si512((const void *)(wb0 + L * 64));
+                        const __m512i raw1 = _mm512_loadu_si512((const void *)(wb1 + L * 64));
+                        const __m512i lo0 = _mm512_and_si512(raw0, low), hi0 = _mm512_and_si512(_mm512_srli_epi16(raw0, 4), low);
+                        const __m512i lo1 = _mm512_and_si512(raw1, low), hi1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 4), low);
+                        for (int r = 0; r < 4; r++) {
+                            int32_t xl, xh;
+                            memcpy(&xl, xb + r * K + 4 * L, 4); memcpy(&xh, xb + r * K + 16 + 4 * L, 4);
+                            const __m512i vl = _mm512_set1_epi32(xl), vh = _mm512_set1_epi32(xh);
+                            d[r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(d[r][0], lo0, vl), hi0, vh);
+                            d[r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(d[r][1], lo1, vl), hi1, vh);
+                        }
+                    }
+                    for (int r = 0; r < 4; r++) {
+                        const __m512 dd = _mm512_set1_ps(dx[(m0 + r) * nb + b]);
+                        f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][0]), _mm512_mul_ps(s0, dd), f[r][0]);
+                        f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d[r][1]), _mm512_mul_ps(s1, dd), f[r][1]);
+                    }
+                }
+                const __m512 n0 = _mm512_loadu_ps(mw + (v0 * ng + g) * 16), n1 = _mm512_loadu_ps(mw + ((v0 + 1) * ng + g) * 16);
+                for (int r = 0; r < 4; r++) {
+                    const __m512 sx = _mm512_set1_ps(xs[(m0 + r) * ng + g]);
+                    f[r][0] = _mm512_fmadd_ps(n0, sx, f[r][0]);
+                    f[r][1] = _mm512_fmadd_ps(n1, sx, f[r][1]);
+                }
+            }
+            for (int r = 0; r < 4 && m0 + r < M; r++) {
+                float out[32];
+                _mm512_storeu_ps(out, f[r][0]); _mm512_storeu_ps(out + 16, f[r][1]);
+                for (int j = 0; j < 32 && v0 * 16 + j < N; j++) {
+                    const int64_t n = v0 * 16 + j;
+                    const float v = out[j] + (bias ? bias[n] : 0.f);
+                    if (y_bf16) ((uint16_t *)y)[(m0 + r) * N + n] = f32_to_bf16(v);
+                    else ((float *)y)[(m0 + r) * N + n] = v;
+                }
+            }
+        }
+    }
+}
+#else
+/* AVX2: `vpmaddubsw` (pairs of products into int16: 16 products of one block fit an int16 lane
+   exactly, at most 16 * 15 * 127), `vpmaddwd` by ones into int32 once a block. Register tile: 4
+   rows x 16 outputs (two vectors of 8). */
 void w4a8_gemm(const int8_t *xq, const float *dx, const float *xs, int64_t M, int64_t Mp, int64_t K, int64_t G,
                const uint8_t *w, const float *sw, const float *mw, const float *bias,
                void *y, int64_t N, int64_t Np, int y_bf16) {
@@ -109,25 +181,25 @@ void w4a8_gemm(const int8_t *xq, const float *dx, const float *xs, int64_t M, in
     for (int64_t p = 0; p < pairs; p++) {
         for (int64_t t = 0; t < tiles; t++) {
             const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-            const int64_t v0 = 2 * p, m0 = 4 * t;
-            const uint8_t *w0 = w + v0 * nb * 128, *w1 = w0 + nb * 128;
+            const int64_t m0 = 4 * t;                  /* the 16-output group p: two vectors of 8 */
+            const uint8_t *w0 = w + p * nb * 256, *w1 = w0 + 32;
             /* the float tile lives in memory (L1), touched once a block: the registers are the
                integer accumulators' (an empty asm taking its address keeps it there) */
             float tile[4][16] __attribute__((aligned(32)));
             memset(tile, 0, sizeof tile);
             __asm__ volatile("" : : "r"(tile) : "memory");
             for (int64_t g = 0; g < ng; g++) {
-                const __m256 s0 = _mm256_loadu_ps(sw + (v0 * ng + g) * 8), s1 = _mm256_loadu_ps(sw + ((v0 + 1) * ng + g) * 8);
+                const __m256 s0 = _mm256_loadu_ps(sw + (p * ng + g) * 16), s1 = _mm256_loadu_ps(sw + (p * ng + g) * 16 + 8);
                 for (int64_t bb = 0; bb < bpg; bb++) {
                     const int64_t b = g * bpg + bb;
                     __m256i d00 = _mm256_setzero_si256(), d01 = d00, d10 = d00, d11 = d00,
                             d20 = d00, d21 = d00, d30 = d00, d31 = d00;
                     const int8_t *x0 = xq + m0 * K + b * 32, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-                    const uint8_t *wb0 = w0 + b * 128, *wb1 = w1 + b * 128;
+                    const uint8_t *wb0 = w0 + b * 256, *wb1 = w1 + b * 256;
                     #pragma GCC unroll 1
                     for (int L = 0; L < 4; L++) {
-                        const __m256i raw0 = _mm256_loadu_si256((const __m256i *)(wb0 + L * 32));
-                        const __m256i raw1 = _mm256_loadu_si256((const __m256i *)(wb1 + L * 32));
+                        const __m256i raw0 = _mm256_loadu_si256((const __m256i *)(wb0 + L * 64));
+                        const __m256i raw1 = _mm256_loadu_si256((const __m256i *)(wb1 + L * 64));
                         /* the low nibbles (channels 4L..4L+3) against every row, then the high ones
                            (16+4L..): two weight vectors live at a time, eight accumulators. The empty
                            asm after each row pins its two accumulators in registers there: without it
@@ -161,7 +233,7 @@ void w4a8_gemm(const int8_t *xq, const float *dx, const float *xs, int64_t M, in
                                                                      _mm256_mul_ps(s1, d), _mm256_load_ps(tile[r] + 8)));
                     }
                 }
-                const __m256 n0 = _mm256_loadu_ps(mw + (v0 * ng + g) * 8), n1 = _mm256_loadu_ps(mw + ((v0 + 1) * ng + g) * 8);
+                const __m256 n0 = _mm256_loadu_ps(mw + (p * ng + g) * 16), n1 = _mm256_loadu_ps(mw + (p * ng + g) * 16 + 8);
                 for (int r = 0; r < 4; r++) {
                     const __m256 s = _mm256_set1_ps(xs[(m0 + r) * ng + g]);
                     _mm256_store_ps(tile[r], _mm256_fmadd_ps(n0, s, _mm256_load_ps(tile[r])));
@@ -170,8 +242,8 @@ void w4a8_gemm(const int8_t *xq, const float *dx, const float *xs, int64_t M, in
             }
             for (int r = 0; r < 4 && m0 + r < M; r++) {
                 const float *out = tile[r];
-                for (int j = 0; j < 16 && v0 * 8 + j < N; j++) {
-                    const int64_t n = v0 * 8 + j;
+                for (int j = 0; j < 16 && p * 16 + j < N; j++) {
+                    const int64_t n = p * 16 + j;
                     const float v = out[j] + (bias ? bias[n] : 0.f);
                     if (y_bf16) ((uint16_t *)y)[(m0 + r) * N + n] = f32_to_bf16(v);
                     else ((float *)y)[(m0 + r) * N + n] = v;
@@ -180,11 +252,11 @@ void w4a8_gemm(const int8_t *xq, const float *dx, const float *xs, int64_t M, in
         }
     }
 }
+#endif
 """
 FLAGS = [*OPTIMIZE, "-fno-tree-reassoc"]
 
-_lib: Optional[ctypes.CDLL] = None
-_loaded = False
+_libs: dict[bool, Optional[ctypes.CDLL]] = {}
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -194,17 +266,26 @@ def available() -> bool:
     return {"avx2", "fma"} <= cpu_flags() and load() is not None
 
 
-def load() -> Optional[ctypes.CDLL]:
-    """The kernel's library, built on first use; None where it cannot be built."""
-    global _lib, _loaded
-    if not _loaded:
-        lib = load_library("cpu_w4a8", SOURCE, FLAGS) if {"avx2", "fma"} <= cpu_flags() else None
+def uses_vnni() -> bool:
+    """Whether this CPU's build multiplies with AVX-512 VNNI (else AVX2)."""
+    return {"avx512_vnni", "avx512bw"} <= cpu_flags() and available()
+
+
+def load(avx2: bool = False) -> Optional[ctypes.CDLL]:
+    """The kernel's library, built on first use for this CPU (its AVX-512 VNNI form where the
+    CPU has it; `avx2`: the AVX2 form whatever the CPU, which the tests compare with it); None
+    where it cannot be built."""
+    if avx2 not in _libs:
+        lib = None
+        if {"avx2", "fma"} <= cpu_flags():
+            flags = [*FLAGS, "-mno-avx512f", "-DW4A8_AVX2"] if avx2 else FLAGS
+            lib = load_library("cpu_w4a8-avx2" if avx2 else "cpu_w4a8", SOURCE, flags)
         if lib is not None:
             lib.quantize_rows.argtypes = [_P, _I, _I, _I, _I, ctypes.c_int, _P, _P, _P]
             lib.w4a8_gemm.argtypes = [_P, _P, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, _I, ctypes.c_int]
             lib.quantize_rows.restype = lib.w4a8_gemm.restype = None
-        _lib, _loaded = lib, True
-    return _lib
+        _libs[avx2] = lib
+    return _libs[avx2]
 
 
 class W4A8Weight:
@@ -217,20 +298,21 @@ class W4A8Weight:
         self.padded_out = -(-n // TILE_OUT) * TILE_OUT
         q = torch.zeros(self.padded_out, k, dtype=torch.uint8)
         q[:n] = unpack_int4(weight.qweight)
-        # [N/8, 8 outputs, K/32 blocks, 2 halves, 4 vectors L, 4 bytes j] -> [N/8, K/32, L, o, j, half]
-        q = q.reshape(self.padded_out // 8, 8, k // BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+        # [N/16, 16 outputs, K/32 blocks, 2 halves, 4 vectors L, 4 bytes j] -> [N/16, K/32, L, o, j, half]
+        q = q.reshape(self.padded_out // 16, 16, k // BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
         self.packed = (q[..., 0] | (q[..., 1] << 4)).contiguous()
         self.scales = self._per_vector(weight.scales)
         self.mins = self._per_vector(weight.mins)
 
     def _per_vector(self, t: torch.Tensor) -> torch.Tensor:
-        """float16 [N, K/G] -> float32 [Np/8, K/G, 8] (zeros for the padded outputs)."""
+        """float16 [N, K/G] -> float32 [Np/16, K/G, 16] (zeros for the padded outputs)."""
         out = torch.zeros(self.padded_out, t.shape[1])
         out[:self.out_features] = t.float()
-        return out.reshape(self.padded_out // 8, 8, -1).transpose(1, 2).contiguous()
+        return out.reshape(self.padded_out // 16, 16, -1).transpose(1, 2).contiguous()
 
-    def linear(self, x2d: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`x2d` `[M, K]` float32 or bfloat16 -> `[M, N]` in x's dtype, + `bias` (`[N]`) when given."""
+    def linear(self, x2d: torch.Tensor, bias: Optional[torch.Tensor] = None, avx2: bool = False) -> torch.Tensor:
+        """`x2d` `[M, K]` float32 or bfloat16 -> `[M, N]` in x's dtype, + `bias` (`[N]`) when given;
+        `avx2`: through the AVX2 form even where the CPU has AVX-512 VNNI (the same bits)."""
         assert x2d.dtype in (torch.float32, torch.bfloat16) and x2d.shape[1] == self.in_features
         x2d = x2d.contiguous()
         rows, k, g = x2d.shape[0], self.in_features, self.group_size
@@ -238,7 +320,7 @@ class W4A8Weight:
         xq = torch.empty(padded_rows, k, dtype=torch.int8)
         dx = torch.empty(padded_rows, k // BLOCK)
         xs = torch.empty(padded_rows, k // g)
-        lib = load()
+        lib = load(avx2)
         lib.quantize_rows(x2d.data_ptr(), rows, padded_rows, k, g, int(x2d.dtype == torch.bfloat16),
                           xq.data_ptr(), dx.data_ptr(), xs.data_ptr())
         y = torch.empty(rows, self.out_features, dtype=x2d.dtype)

@@ -2,7 +2,8 @@
 product of the INT4 weight with the activations quantized as the kernel documents (int8 per row
 and block of 32, the block's absolute maximum to 127; the mins against exact float sums), on
 shapes that need row and output padding, every group size, float32 and bfloat16 in and out, with
-and without a bias; a row's result does not depend on the other rows of the call."""
+and without a bias; a row's result does not depend on the other rows of the call; the AVX-512
+VNNI form (built where the CPU has it) gives the AVX2 form's bits."""
 from __future__ import annotations
 
 import pytest
@@ -54,6 +55,16 @@ def test_matches_the_quantized_product(out_features, in_features, group, rows):
     got_b = packed.linear(xb)
     assert got_b.dtype == torch.bfloat16
     assert torch.equal(got_b, packed.linear(xb.float()).bfloat16())
+    # the AVX2 form (built without AVX-512 whatever the CPU): the same integer dots and float
+    # operations in the same order as the VNNI one, so the same bits
+    assert torch.equal(packed.linear(x, bias, avx2=True), with_bias)
+    assert torch.equal(packed.linear(xb, avx2=True), got_b)
+
+
+def test_the_cpus_form_is_vnni_where_it_can_be():
+    from nightshift.engine.cpu_features import cpu_flags
+    assert cpu_w4a8.uses_vnni() == ({"avx512_vnni", "avx512bw"} <= cpu_flags())
+    assert cpu_w4a8.load(avx2=True) is not None
 
 
 def test_a_row_does_not_depend_on_the_rest_of_the_call():
