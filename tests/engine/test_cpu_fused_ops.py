@@ -71,11 +71,13 @@ def test_silu_mul_of_the_gate_and_up_halves():
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rotary, with_bias, qk_norm", [(64, False, False), (64, True, False), (32, False, False),
-                                                      (64, False, True)])
-def test_rope_store_rotates_q_and_k_and_writes_k_v_into_the_pool(rotary, with_bias, qk_norm, kv_dtype):
+@pytest.mark.parametrize("rotary, with_bias, qk_norm, clip", [(64, False, None, None), (64, True, None, None),
+                                                            (32, False, None, None), (64, False, "head", None),
+                                                            (64, False, "whole", None), (64, False, "whole", 1.5)])
+def test_rope_store_rotates_q_and_k_and_writes_k_v_into_the_pool(rotary, with_bias, qk_norm, clip, kv_dtype):
     """Full and partial rotary (Phi-3's), a q/k/v bias (Qwen2's), per-head q/k RMSNorms before RoPE
-    (Qwen3's), the rows' slots scattered; a float32 pool or a bfloat16 one."""
+    (Qwen3's), RMSNorms over the whole q and k projections and q/k/v clamped after them (OLMoE's
+    norms and clip_qkv), the rows' slots scattered; a float32 pool or a bfloat16 one."""
     g = torch.Generator().manual_seed(2)
     heads, kv_heads, dim, tokens, block_size = 9, 3, 64, 11, 16
     width = (heads + 2 * kv_heads) * dim
@@ -89,18 +91,28 @@ def test_rope_store_rotates_q_and_k_and_writes_k_v_into_the_pool(rotary, with_bi
 
     full = qkv.float() + (bias if with_bias else 0)
     qk = full[:, :(heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
+    v_ref = full[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
     norms = None
-    if qk_norm:
+    if qk_norm == "head":
         norms = (1 + 0.3 * torch.randn(dim, generator=g), 1 + 0.3 * torch.randn(dim, generator=g), 1e-6)
         q_part, k_part = qk.split([heads, kv_heads], dim=1)
         qk = torch.cat((RMSNorm(norms[0], 1e-6)(q_part), RMSNorm(norms[1], 1e-6)(k_part)), dim=1)
+    elif qk_norm == "whole":
+        norms = (1 + 0.3 * torch.randn(heads * dim, generator=g), 1 + 0.3 * torch.randn(kv_heads * dim, generator=g),
+                 1e-6)
+        q_part, k_part = qk.reshape(tokens, -1).split([heads * dim, kv_heads * dim], dim=1)
+        qk = torch.cat((RMSNorm(norms[0], 1e-6)(q_part), RMSNorm(norms[1], 1e-6)(k_part)), dim=1)
+        qk = qk.view(tokens, heads + kv_heads, dim)
+    if clip is not None:
+        assert (qk.abs() > clip).any() and (v_ref.abs() > clip).any()      # the clamp bites
+        qk, v_ref = qk.clamp(-clip, clip), v_ref.clamp(-clip, clip)
     qk = apply_rope(qk, cos.unsqueeze(1), sin.unsqueeze(1))
     q_ref, k_ref = qk.split([heads, kv_heads], dim=1)
-    v_ref = full[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
     k_expected, v_expected = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     index_copy_kv(k_expected, v_expected, k_ref, v_ref, slots)
 
-    q = cpu_fused_ops.rope_store(qkv, bias, cos.unsqueeze(1), sin.unsqueeze(1), slots, k_cache, v_cache, heads, norms)
+    q = cpu_fused_ops.rope_store(qkv, bias, cos.unsqueeze(1), sin.unsqueeze(1), slots, k_cache, v_cache, heads, norms,
+                                 clip=clip)
     torch.testing.assert_close(q, q_ref, rtol=1e-6, atol=1e-5)
     if kv_dtype == torch.float32:
         torch.testing.assert_close(k_cache, k_expected, rtol=1e-6, atol=1e-5)

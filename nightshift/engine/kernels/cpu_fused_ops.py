@@ -13,7 +13,8 @@ places: a linear's input and output):
   normalised first where the layer has a post-norm: Gemma's sandwich norms), then
   ``weight * x / rms(x)`` rounded to bfloat16 (the next linear's input);
 * ``rope_store``: the q/k/v projection's bfloat16 result (+ its float32 bias) -> q and k heads
-  RMS-normalised where the layer has q/k norms (Qwen3, Gemma 3), rotated (RoPE, partial rotary
+  RMS-normalised where the layer has q/k norms (per head: Qwen3, Gemma 3; over the whole
+  projection, then clamped where the config clips: OLMoE), rotated (RoPE, partial rotary
   included), k and v written into the paged K/V pool at the rows' slots; q out as float32 for
   attention, which reads K/V from the pool;
 * ``silu_mul`` / ``gelu_tanh_mul``: ``act(gate) * up`` of the gate/up projection's result, rounded
@@ -117,14 +118,24 @@ static inline void store_row(void *pool, int64_t at, const float *x, int64_t n, 
 
 /* qkv [T, (H + 2 KVH) * D] bf16 (+ bias [(H + 2 KVH) * D] float32 or NULL); cos, sin [T, R]
    (R rotary dims, the first R of each head; cos/sin repeat their halves). Where q_norm and k_norm
-   ([D] float32 each) are given, every q and k head is RMS-normalised with them first (Qwen3's
-   per-head norms before RoPE: w * x / sqrt(mean(x^2) + qk_eps)). q and k heads rotated
+   are given, q and k are RMS-normalised with them first (w * x / sqrt(mean(x^2) + qk_eps)): every
+   head on its own ([D] weights: Qwen3, Gemma 3), or, with qk_whole, all q heads as one vector and
+   all k heads as another ([H * D] and [KVH * D] weights: OLMoE). Where clip > 0, q, k and v are
+   then clamped to [-clip, clip] (OLMoE's clip_qkv). q and k heads rotated
    (x * cos + rotate_half(x) * sin); q -> q_out [T, H, D]; k, v -> the pool at slots[t]
    (k_cache, v_cache [slots, KVH, D], float32, or bfloat16 where kv_bf16). */
+static inline void rms_scale(float *x, const float *w, int64_t n, float eps) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) x[i] = w[i] * (x[i] * inv);
+}
+
 void rope_store(const uint16_t *qkv, const float *bias, const float *cos_t, const float *sin_t,
                 const int64_t *slots, void *k_cache, void *v_cache, float *q_out,
                 const float *q_norm, const float *k_norm, float qk_eps,
-                int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R, int64_t kv_bf16) {
+                int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R, int64_t kv_bf16,
+                int64_t qk_whole, float clip) {
     const int64_t width = (H + 2 * KVH) * D, half = R / 2;
     #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < T; t++) {
@@ -132,15 +143,16 @@ void rope_store(const uint16_t *qkv, const float *bias, const float *cos_t, cons
         const uint16_t *src = qkv + t * width;
         for (int64_t i = 0; i < width; i++) row[i] = bf16_to_f32(src[i]) + (bias ? bias[i] : 0.f);
         const float *c = cos_t + t * R, *s = sin_t + t * R;
+        if (q_norm && qk_whole) {
+            rms_scale(row, q_norm, H * D, qk_eps);
+            rms_scale(row + H * D, k_norm, KVH * D, qk_eps);
+        }
+        if (clip > 0.f)
+            for (int64_t i = 0; i < width; i++) row[i] = row[i] < -clip ? -clip : (row[i] > clip ? clip : row[i]);
         for (int64_t head = 0; head < H + KVH; head++) {
             float *x = row + head * D, rot[R];
             const float *w = head < H ? q_norm : k_norm;
-            if (w) {
-                float ss = 0.f;
-                for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
-                const float inv = 1.f / sqrtf(ss / (float)D + qk_eps);
-                for (int64_t i = 0; i < D; i++) x[i] = w[i] * (x[i] * inv);
-            }
+            if (w && !qk_whole) rms_scale(x, w, D, qk_eps);
             for (int64_t i = 0; i < half; i++) {
                 rot[i] = x[i] * c[i] - x[i + half] * s[i];
                 rot[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
@@ -170,7 +182,7 @@ def load() -> Optional[ctypes.CDLL]:
         if lib is not None:
             lib.add_rms_norm.argtypes = [_P] * 5 + [_I, _I, ctypes.c_float]
             lib.act_mul.argtypes = [_P, _P, _I, _I, _I]
-            lib.rope_store.argtypes = [_P] * 10 + [ctypes.c_float] + [_I] * 6
+            lib.rope_store.argtypes = [_P] * 10 + [ctypes.c_float] + [_I] * 7 + [ctypes.c_float]
             for fn in (lib.add_rms_norm, lib.act_mul, lib.rope_store):
                 fn.restype = None
         _lib, _loaded = lib, True
@@ -216,12 +228,15 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                slots: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int,
-               qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> torch.Tensor:
+               qk_norm: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
+               clip: Optional[float] = None) -> torch.Tensor:
     """`qkv` `[T, (H + 2 KVH) * D]` bfloat16 (+ `bias`) -> q `[T, H, D]` float32, rotated; k
     (rotated) and v written into the pools `[blocks, block_size, KVH, D]` (float32 or bfloat16) at
     `slots` `[T]` (int64), where the attention kernel reads them. `cos`/`sin`: the rows' RoPE tables
-    `[T, ..., R]` float32, R <= D rotary dims. `qk_norm`: (q weight, k weight `[D]` float32, eps),
-    an RMSNorm of every q and k head before RoPE (Qwen3)."""
+    `[T, ..., R]` float32, R <= D rotary dims. `qk_norm`: (q weight, k weight, eps), RMSNorms before
+    RoPE: of every q and k head with weights `[D]` float32 (Qwen3), or of all q heads as one vector
+    and all k heads as another with weights `[H * D]` and `[KVH * D]` (OLMoE). `clip`: q, k and v
+    clamped to [-clip, clip] after the norms (OLMoE's clip_qkv)."""
     kv_heads, dim = k_cache.shape[-2:]
     rows = qkv.shape[0]
     rotary = cos.shape[-1]
@@ -232,10 +247,14 @@ def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tenso
     assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
     cos, sin, slots = cos.reshape(rows, rotary).contiguous(), sin.reshape(rows, rotary).contiguous(), slots.contiguous()
     q_norm, k_norm, qk_eps = qk_norm if qk_norm is not None else (None, None, 0.0)
-    for w in (q_norm, k_norm):
-        assert w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.shape == (dim,))
+    whole = q_norm is not None and q_norm.shape != (dim,)
+    for w, heads in ((q_norm, num_heads), (k_norm, kv_heads)):
+        assert w is None or (w.dtype == torch.float32 and w.is_contiguous()
+                             and w.shape == ((heads * dim,) if whole else (dim,)))
+    assert clip is None or clip > 0
     q = torch.empty(rows, num_heads, dim)
     load().rope_store(qkv.data_ptr(), _ptr(bias), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                       k_cache.data_ptr(), v_cache.data_ptr(), q.data_ptr(), _ptr(q_norm), _ptr(k_norm), qk_eps,
-                      rows, num_heads, kv_heads, dim, rotary, int(k_cache.dtype == torch.bfloat16))
+                      rows, num_heads, kv_heads, dim, rotary, int(k_cache.dtype == torch.bfloat16), int(whole),
+                      clip or 0.0)
     return q

@@ -23,7 +23,8 @@ It runs where every piece fits (``build``): a float32 model on CPU whose project
 bfloat16 in and out (dense bf16 weights: engine/layers/cpu_math.py chose or was told bf16; INT4
 layers on that math; or INT4 layers on the W4A8 kernel on any math, quant/cpu_w4a8.py), every
 layer of a form the model class names (``fused_cpu_form``: the plain Llama layer, with Qwen3's
-per-head q/k RMSNorms or Qwen2's q/k/v bias; Gemma's layer), the C kernels built, and, per step,
+per-head q/k RMSNorms or Qwen2's q/k/v bias; Gemma's layer; the mixture-of-experts layer of
+models/fused_moe_cpu_layer.py), the C kernels built, and, per step,
 the CPU kernel attention backend (whose K/V store this replaces).
 Anything else keeps the torch layer. ``NIGHTSHIFT_CPU_FUSED_OPS=0`` turns it off.
 """
@@ -68,9 +69,13 @@ def _gemma_weight(norm) -> torch.Tensor:
 
 
 class _FusedLayer:
-    """What both forms share: the four projections (``linear_bf16``), and the attention block from
-    the normed input to o_proj's bfloat16 result (q/k norms, RoPE and the K/V store in
-    ``rope_store``; the layer's window and soft-capping in the attention kernel)."""
+    """What every form shares: the four projections (``linear_bf16``), and the attention block from
+    the normed input to o_proj's bfloat16 result (q/k norms, per head or over the whole projection,
+    OLMoE's clip, RoPE and the K/V store in ``rope_store``; the layer's window and soft-capping in
+    the attention kernel). ``from_layer`` builds the form of a torch layer, or None where one of
+    its projections cannot compute bfloat16 in and out."""
+
+    qkv_bias_allowed = True             # a q/k/v bias (Qwen2's) goes into rope_store
 
     def __init__(self, layer, qkv, o, gate_up, down, norm_weight):
         attn = layer.self_attn
@@ -79,13 +84,21 @@ class _FusedLayer:
         self.qkv_bias = None if bias is None else bias.detach().float().contiguous()
         self.qk_norm = None if attn.q_norm is None else (norm_weight(attn.q_norm), norm_weight(attn.k_norm),
                                                          attn.q_norm.eps)
+        self.clip = getattr(attn, "clip", None)           # OLMoE's clip_qkv
         self.num_heads, self.q_size, self.scale = attn.num_heads, attn.q_size, attn.scale
         self.window, self.softcap = attn.window, attn.softcap
+
+    @classmethod
+    def from_layer(cls, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        weights = (_bf16_weight(attn.qkv_proj, cls.qkv_bias_allowed), _bf16_weight(attn.o_proj, False),
+                   _bf16_weight(mlp.gate_up_proj, False), _bf16_weight(mlp.down_proj, False))
+        return None if any(w is None for w in weights) else cls(layer, *weights)
 
     def attend(self, h, cos, sin, kv_cache, attention, meta) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         q = cpu_fused_ops.rope_store(self.qkv.linear_bf16(h), self.qkv_bias, cos, sin, meta.slot_mapping,
-                                     k_cache, v_cache, self.num_heads, self.qk_norm)
+                                     k_cache, v_cache, self.num_heads, self.qk_norm, clip=self.clip)
         out = attention.forward(q, None, None, k_cache, v_cache, meta, self.scale,   # K/V read from the pool
                                 window=self.window, softcap=self.softcap)
         return self.o.linear_bf16(out.reshape(-1, self.q_size).to(torch.bfloat16))
@@ -121,6 +134,8 @@ class FusedGemmaCpuLayer(_FusedLayer):
         x += post_ff_norm(down_proj(gelu_tanh_mul(gate_up_proj(h))))
     """
 
+    qkv_bias_allowed = False
+
     def __init__(self, layer, qkv, o, gate_up, down):
         super().__init__(layer, qkv, o, gate_up, down, _gemma_weight)
         self.input_norm = _gemma_weight(layer.input_layernorm)
@@ -140,21 +155,14 @@ class FusedGemmaCpuLayer(_FusedLayer):
 
 def _fused(layer, form: Callable[[object], Optional[type]]):
     kind = form(layer)
-    if kind is None:
-        return None
-    attn, mlp = layer.self_attn, layer.mlp
-    weights = (_bf16_weight(attn.qkv_proj, kind is FusedCpuLayer), _bf16_weight(attn.o_proj, False),
-               _bf16_weight(mlp.gate_up_proj, False), _bf16_weight(mlp.down_proj, False))
-    if any(w is None for w in weights):
-        return None
-    return kind(layer, *weights)
+    return None if kind is None else kind.from_layer(layer)
 
 
 def build(model, form: Callable[[object], Optional[type]]) -> Optional[list]:
     """Every layer of `model` in fused form, or None where one does not fit (or the kernels do
     not build, or NIGHTSHIFT_CPU_FUSED_OPS=0): the model then runs its torch layers. `form` gives a
-    layer's fused class (FusedCpuLayer, FusedGemmaCpuLayer) or None: the model's own judgement
-    (LlamaForCausalLM.fused_cpu_form)."""
+    layer's fused class (FusedCpuLayer, FusedGemmaCpuLayer, models/fused_moe_cpu_layer.py's
+    FusedMoeCpuLayer) or None: the model's own judgement (LlamaForCausalLM.fused_cpu_form)."""
     if os.environ.get(ENV, "1") == "0" or model.dtype != torch.float32 or model.embed_tokens.device.type != "cpu":
         return None
     layers = [_fused(layer, form) for layer in model.layers]

@@ -35,12 +35,17 @@ the checkpoint parts keep each family's own names.
 """
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nightshift.engine.model_config import ModelConfig
-from nightshift.engine.models.llama import Architecture, Attention, DecoderLayer, LlamaForCausalLM, Projection
+from nightshift.engine.models.fused_cpu_layer import FusedCpuLayer
+from nightshift.engine.models.fused_moe_cpu_layer import FusedMoeCpuLayer
+from nightshift.engine.models.llama import (MLP, Architecture, Attention, DecoderLayer, LlamaForCausalLM, Projection,
+                                            RMSNorm)
 
 
 class MoeArchitecture(Architecture):
@@ -116,7 +121,13 @@ class SparseMoeBlock(nn.Module):
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum (the shared expert aside)."""
         weights, chosen = self.route(x)
-        # the T * k assignments sorted by expert: each expert's rows are contiguous
+        return self.combine(x, weights, chosen, lambda e, rows: self.experts[e](rows, self.activation))
+
+    def combine(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Each token's chosen experts' outputs, weighted and summed (`[T, hidden]`, of the router
+        weights' dtype): the T * k (token, expert) assignments sorted by expert, so each expert's
+        rows of `x` are contiguous, and ``run(expert, rows)`` called once per expert in use."""
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
         token = order // self.top_k
@@ -124,12 +135,12 @@ class SparseMoeBlock(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         outputs = []
         start = 0
-        for expert, count in zip(self.experts, counts):
+        for expert, count in enumerate(counts):
             if count:
-                outputs.append(expert(rows[start:start + count], self.activation))
+                outputs.append(run(expert, rows[start:start + count]))
                 start += count
-        out = torch.cat(outputs) * weights.reshape(-1, 1).index_select(0, order)
-        return torch.zeros_like(x).index_add_(0, token, out)
+        out = torch.cat(outputs).to(weights.dtype) * weights.reshape(-1, 1).index_select(0, order)
+        return torch.zeros(x.shape, dtype=weights.dtype, device=x.device).index_add_(0, token, out)
 
 
 class OlmoeAttention(Attention):
@@ -167,6 +178,23 @@ class MoeForCausalLM(LlamaForCausalLM):
     """Qwen3-MoE, OLMoE and Qwen2-MoE (experts under `mlp`: gate_proj / up_proj / down_proj)."""
     arch = MoeArchitecture
     layer_class = MoeDecoderLayer
+
+    def fused_cpu_form(self, layer: nn.Module) -> Optional[type]:
+        """The fused bf16 CPU form of a layer whose norms and attention are the shared decoder's
+        (RMSNorm; q/k norms per head or OLMoE's over the whole projection, its clip; a window
+        where the config has one; no soft-capping) and whose MLP uses SiLU: its experts
+        as models/fused_moe_cpu_layer.py's FusedMoeCpuLayer, a dense MLP layer (Qwen3-MoE's and
+        Qwen2-MoE's mlp_only_layers) as FusedCpuLayer."""
+        attn = layer.self_attn
+        norms = (type(layer.input_layernorm) is RMSNorm and type(layer.post_attention_layernorm) is RMSNorm
+                 and (attn.q_norm is None or (type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm)))
+        if not norms or type(attn) not in (Attention, OlmoeAttention) or attn.softcap is not None:
+            return None
+        if type(layer.mlp) is SparseMoeBlock and layer.mlp.activation is F.silu:
+            return FusedMoeCpuLayer
+        if type(layer.mlp) is MLP and layer.mlp.activation is F.silu:
+            return FusedCpuLayer
+        return None
 
 
 class MixtralForCausalLM(MoeForCausalLM):

@@ -106,6 +106,50 @@ def test_engine_batch_prefix_cache_chunked_matches_hf(tiny):
     check_engine(ours, reference)
 
 
+def test_fused_bf16_layers_follow_hf_as_the_torch_layers_do(tiny):
+    """On the bf16 CPU math an MoE layer runs as fused_moe_cpu_layer.FusedMoeCpuLayer (the experts
+    grouped, bfloat16 in and out, SiLU-and-mul in C; OLMoE's whole-projection q/k norms and clip in
+    rope_store; Qwen2-MoE's q/k/v bias and shared expert) and a dense one (layer 1 of Qwen3-MoE and
+    Qwen2-MoE) as FusedCpuLayer: over two prefill chunks and decode steps its logits stay as close
+    to HF float32 as the torch layers on the same bf16 math; routing every token to the wrong
+    experts would not."""
+    from nightshift.engine.kernels import cpu_fused_ops
+    from nightshift.engine.layers import cpu_math
+    from nightshift.engine.model_runner import ModelRunner
+    from nightshift.engine.models.fused_cpu_layer import FusedCpuLayer
+    from nightshift.engine.models.fused_moe_cpu_layer import FusedMoeCpuLayer
+    from nightshift.engine.step import StepItem
+    if cpu_fused_ops.load() is None:
+        pytest.skip("no C compiler: the torch layers run")
+    if "bf16" not in cpu_math.supported():
+        pytest.skip("no bf16 CPU math here (oneDNN refuses bfloat16 weights on an AVX2-only CPU)")
+    family, reference, folder, _ = tiny
+    bf16 = load_model(folder, cpu_math="bf16")
+    assert bf16.fused_layers is not None
+    assert [type(f) for f in bf16.fused_layers] == [FusedMoeCpuLayer] + (
+        [FusedCpuLayer] if family in ("qwen3_moe", "qwen2_moe") else [FusedMoeCpuLayer])
+    assert (bf16.fused_layers[0].clip is not None) == (family == "olmoe")
+    ids = prompt(40, 4)
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    runner = ModelRunner(bf16, num_kv_blocks=8, block_size=16)
+    steps = [(ids[:20], 0), (ids[20:36], 20)] + [([ids[p]], p) for p in range(36, 40)]
+
+    def worst(layers) -> float:
+        saved, bf16.fused_layers = bf16.fused_layers, layers
+        try:
+            return max((runner.execute([StepItem(tokens, start, [0, 1, 2])])[0]
+                        - expected[start + len(tokens) - 1]).abs().max().item() for tokens, start in steps)
+        finally:
+            bf16.fused_layers = saved
+
+    fused, torch_layers = worst(bf16.fused_layers), worst(None)
+    assert fused <= 1.5 * torch_layers + 1e-3, (fused, torch_layers)
+    moe = bf16.fused_layers[0]
+    moe.experts = moe.experts[1:] + moe.experts[:1]       # every expert's rows through its neighbour
+    assert worst(bf16.fused_layers) > 5 * fused
+
+
 def test_int4_load_runs_and_quantizes_experts_not_router(tiny, tmp_path):
     from nightshift.engine.quant.config import resolve_quant_config
     from nightshift.engine.quant.int4_linear import Int4Linear
