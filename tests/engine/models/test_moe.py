@@ -106,34 +106,25 @@ def test_engine_batch_prefix_cache_chunked_matches_hf(tiny):
     check_engine(ours, reference)
 
 
-def test_fused_bf16_layers_follow_hf_as_the_torch_layers_do(tiny):
-    """On the bf16 CPU math an MoE layer runs as fused_moe_cpu_layer.FusedMoeCpuLayer (the experts
-    grouped, bfloat16 in and out, SiLU-and-mul in C; OLMoE's whole-projection q/k norms and clip in
-    rope_store; Qwen2-MoE's q/k/v bias and shared expert) and a dense one (layer 1 of Qwen3-MoE and
-    Qwen2-MoE) as FusedCpuLayer: over two prefill chunks and decode steps its logits stay as close
-    to HF float32 as the torch layers on the same bf16 math; routing every token to the wrong
-    experts would not."""
+def fused_and_torch_errors(reference, folder: str, length: int):
+    """The bf16-math model of `folder` (None where the fused layers cannot run here), and a function
+    of its layers (the fused ones, or None: the torch layers) giving the worst logit difference from
+    HF float32 over two prefill chunks and decode steps of a `length`-token prompt."""
     from nightshift.engine.kernels import cpu_fused_ops
     from nightshift.engine.layers import cpu_math
     from nightshift.engine.model_runner import ModelRunner
-    from nightshift.engine.models.fused_cpu_layer import FusedCpuLayer
-    from nightshift.engine.models.fused_moe_cpu_layer import FusedMoeCpuLayer
     from nightshift.engine.step import StepItem
     if cpu_fused_ops.load() is None:
         pytest.skip("no C compiler: the torch layers run")
     if "bf16" not in cpu_math.supported():
         pytest.skip("no bf16 CPU math here (oneDNN refuses bfloat16 weights on an AVX2-only CPU)")
-    family, reference, folder, _ = tiny
     bf16 = load_model(folder, cpu_math="bf16")
     assert bf16.fused_layers is not None
-    assert [type(f) for f in bf16.fused_layers] == [FusedMoeCpuLayer] + (
-        [FusedCpuLayer] if family in ("qwen3_moe", "qwen2_moe") else [FusedMoeCpuLayer])
-    assert (bf16.fused_layers[0].clip is not None) == (family == "olmoe")
-    ids = prompt(40, 4)
+    ids = prompt(length, 4)
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0]
     runner = ModelRunner(bf16, num_kv_blocks=8, block_size=16)
-    steps = [(ids[:20], 0), (ids[20:36], 20)] + [([ids[p]], p) for p in range(36, 40)]
+    steps = [(ids[:20], 0), (ids[20:length - 4], 20)] + [([ids[p]], p) for p in range(length - 4, length)]
 
     def worst(layers) -> float:
         saved, bf16.fused_layers = bf16.fused_layers, layers
@@ -142,11 +133,46 @@ def test_fused_bf16_layers_follow_hf_as_the_torch_layers_do(tiny):
                         - expected[start + len(tokens) - 1]).abs().max().item() for tokens, start in steps)
         finally:
             bf16.fused_layers = saved
+    return bf16, worst
 
+
+def test_fused_bf16_layers_follow_hf_as_the_torch_layers_do(tiny):
+    """On the bf16 CPU math an MoE layer runs as fused_moe_cpu_layer.FusedMoeCpuLayer (the experts
+    grouped, bfloat16 in and out, SiLU-and-mul in C; OLMoE's whole-projection q/k norms and clip in
+    rope_store; Qwen2-MoE's q/k/v bias and shared expert) and a dense one (layer 1 of Qwen3-MoE and
+    Qwen2-MoE) as FusedCpuLayer: over two prefill chunks and decode steps its logits stay as close
+    to HF float32 as the torch layers on the same bf16 math; routing every token to the wrong
+    experts would not."""
+    from nightshift.engine.models.fused_cpu_layer import FusedCpuLayer
+    from nightshift.engine.models.fused_moe_cpu_layer import FusedMoeCpuLayer
+    family, reference, folder, _ = tiny
+    bf16, worst = fused_and_torch_errors(reference, folder, 40)
+    assert [type(f) for f in bf16.fused_layers] == [FusedMoeCpuLayer] + (
+        [FusedCpuLayer] if family in ("qwen3_moe", "qwen2_moe") else [FusedMoeCpuLayer])
+    assert (bf16.fused_layers[0].clip is not None) == (family == "olmoe")
     fused, torch_layers = worst(bf16.fused_layers), worst(None)
     assert fused <= 1.5 * torch_layers + 1e-3, (fused, torch_layers)
     moe = bf16.fused_layers[0]
     moe.experts = moe.experts[1:] + moe.experts[:1]       # every expert's rows through its neighbour
+    assert worst(bf16.fused_layers) > 5 * fused
+
+
+def test_fused_bf16_layers_keep_mixtrals_window(tmp_path):
+    """Mixtral with a sliding window shorter than the prompt: the fused layers hand it to the
+    attention kernel (as close to HF float32 as the torch layers; without it, far off)."""
+    import transformers as tf
+    torch.manual_seed(2)
+    config = tf.MixtralConfig(**COMMON, intermediate_size=96, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=8)
+    reference = tf.MixtralForCausalLM(config).eval()
+    randomize_norms(reference)
+    decisive_routing(reference)
+    bf16, worst = fused_and_torch_errors(reference, save(reference, tmp_path / "mixtral-window"), 40)
+    assert all(f.window == 8 for f in bf16.fused_layers)
+    fused, torch_layers = worst(bf16.fused_layers), worst(None)
+    assert fused <= 1.5 * torch_layers + 1e-3, (fused, torch_layers)
+    for layer in bf16.fused_layers:
+        layer.window = None
     assert worst(bf16.fused_layers) > 5 * fused
 
 
