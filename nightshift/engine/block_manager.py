@@ -141,21 +141,26 @@ class BlockManager:
         return self.block_hashes(seq, num_matched + 1)[num_matched]
 
     # ---- allocation ------------------------------------------------------------
-    def admission_cost(self, matched: list[int], seq: Sequence, num_new_tokens: int) -> int:
-        """Free blocks that admitting seq (cached prefix + first chunk) would consume."""
-        revived = sum(1 for b in matched if self.blocks[b].ref_count == 0)
+    def admission_cost(self, matched: list[int], seq: Sequence, num_new_tokens: int, skip: int = 0) -> int:
+        """Free blocks that admitting seq (cached prefix + first chunk) would consume; the first
+        `skip` matched blocks are not taken (see allocate_prefix)."""
+        revived = sum(1 for b in matched[skip:] if self.blocks[b].ref_count == 0)
         total = self.blocks_for_tokens(len(matched) * self.block_size + num_new_tokens)
         return revived + total - len(matched)
 
-    def allocate_prefix(self, seq: Sequence, matched: list[int]) -> int:
-        """Give seq the cached blocks `matched` (from match_prefix). Returns cached tokens."""
+    def allocate_prefix(self, seq: Sequence, matched: list[int], skip: int = 0) -> int:
+        """Give seq the cached blocks `matched` (from match_prefix). Returns cached tokens. With a
+        window, the first `skip` of them lie wholly before the oldest position its first query
+        reads: they enter its table RELEASED, never taken (a prompt longer than the pool, cached
+        earlier, is admitted holding only its window's blocks)."""
         assert not seq.block_table, "sequence already holds blocks"
-        for block_id in matched:
+        for block_id in matched[skip:]:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free_cached[block_id]
             block.ref_count += 1
-        seq.block_table = list(matched)
+        seq.block_table = [RELEASED] * skip + list(matched[skip:])
+        seq.num_released_blocks = skip
         seq.num_registered_blocks = len(matched)
         seq.num_computed_tokens = len(matched) * self.block_size
         return seq.num_computed_tokens

@@ -134,7 +134,7 @@ class Engine:
     def validate(self, request: GenerationRequest) -> None:
         """Raise InvalidRequestError (naming the request) if the engine cannot run it."""
         check_request(request, self.vocab_size, self.max_model_len, self.block_manager.block_size,
-                      self.block_manager.num_blocks)
+                      self.block_manager.num_blocks, self.scheduler.window, self.scheduler.max_num_batched_tokens)
         if request.request_id in self._active:
             raise InvalidRequestError(request.request_id, "invalid_request",
                                       "request_id is already running in this engine", "request_id")

@@ -15,8 +15,10 @@ MAX_PENALTY = 2.0           # |presence_penalty|, |frequency_penalty| (OpenAI's 
 MAX_LOGIT_BIAS = 100.0      # |logit_bias value| (OpenAI's range)
 
 
-def check_request(request, vocab_size: int, max_model_len: int, block_size: int, num_kv_blocks: int) -> None:
-    """Raise InvalidRequestError if `request` cannot run on this model and KV pool."""
+def check_request(request, vocab_size: int, max_model_len: int, block_size: int, num_kv_blocks: int,
+                  window: Optional[int] = None, max_chunk: Optional[int] = None) -> None:
+    """Raise InvalidRequestError if `request` cannot run on this model and KV pool (`window`: the
+    span every layer attends within, ModelConfig.kv_window; `max_chunk`: the step's token budget)."""
     rid = getattr(request, "request_id", None)
     if not isinstance(request, GenerationRequest):
         raise InvalidRequestError(str(rid), "invalid_request",
@@ -41,10 +43,28 @@ def check_request(request, vocab_size: int, max_model_len: int, block_size: int,
     if total > max_model_len:
         bad(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens exceeds the "
             f"model's context length of {max_model_len}", "max_tokens", "context_length_exceeded")
-    blocks = -(-total // block_size) + params.n - 1    # each further choice copies the prompt's last block
+    blocks = kv_blocks_needed(len(prompt), params.max_tokens, params.n, block_size, window, max_chunk)
     if blocks > num_kv_blocks:
-        bad(f"prompt + max_tokens = {total} tokens (n = {params.n}) needs {blocks} KV blocks but the engine's KV "
+        held = "needs" if window is None else f"holds up to (every layer's window: {window} tokens)"
+        bad(f"prompt + max_tokens = {total} tokens (n = {params.n}) {held} {blocks} KV blocks but the engine's KV "
             f"cache has only {num_kv_blocks}", "max_tokens", "context_length_exceeded")
+
+
+def kv_blocks_needed(prompt_len: int, max_tokens: int, n: int, block_size: int, window: Optional[int] = None,
+                     max_chunk: Optional[int] = None) -> int:
+    """The most KV blocks a request holds at once: its whole history, plus one per further choice
+    (each copies the prompt's last block). Where every layer attends within `window` (the
+    scheduler then gives back the blocks out of it, engine/scheduler.py), no more than the blocks
+    spanning a window plus a prefill chunk (of at most `max_chunk` tokens) while its prompt runs,
+    and a window's blocks per choice while it decodes."""
+    total = prompt_len + max_tokens
+    whole = -(-total // block_size) + n - 1
+    if window is None:
+        return whole
+    chunk = min(prompt_len, max_chunk or prompt_len)
+    prefill = -(-(window - 1 + chunk) // block_size) + 1
+    decode = n * (-(-window // block_size) + 1)
+    return min(whole, max(prefill, decode))
 
 
 def _validate_sampling(params: SamplingParams, vocab_size: int, bad) -> None:

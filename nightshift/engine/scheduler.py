@@ -23,6 +23,8 @@ Sliding windows: with `window` (ModelConfig.kv_window: every layer of the model 
 it), each step gives back the blocks of each sequence that lie wholly before the oldest position
 its next query reads (num_computed_tokens - window + 1): a sequence then holds at most
 ceil((window - 1 + chunk) / block_size) + 1 blocks, ceil(window / block_size) + 1 while decoding.
+A sequence admitted on a cached prefix takes only the prefix's blocks its first query reads (the
+earlier ones enter its table released), so a prompt longer than the pool runs, cached or not.
 """
 from __future__ import annotations
 
@@ -173,9 +175,10 @@ class Scheduler:
                     break
                 continue
             n = min(seq.num_tokens - len(matched) * bm.block_size, budget)
-            if bm.admission_cost(matched, seq, n) + seq.forks_pending > bm.num_free_blocks:
+            skip = self._out_of_window(len(matched) * bm.block_size)
+            if bm.admission_cost(matched, seq, n, skip) + seq.forks_pending > bm.num_free_blocks:
                 break  # the head waits for blocks; nobody behind it jumps ahead
-            cached = bm.allocate_prefix(seq, matched)
+            cached = bm.allocate_prefix(seq, matched, skip)
             if seq.cached_prompt_tokens is None:
                 seq.cached_prompt_tokens = min(cached, seq.num_prompt_tokens)
             allocated = bm.allocate_slots(seq, n)
@@ -189,6 +192,13 @@ class Scheduler:
                 self._add_pending(seq, pending)
         self.waiting.extendleft(reversed(held_back))
         return budget
+
+    def _out_of_window(self, first_position: int) -> int:
+        """Leading blocks wholly before the oldest position a query at `first_position` reads
+        (0 without a window): a cached prefix's blocks the sequence never needs to hold."""
+        if self.window is None:
+            return 0
+        return max(0, first_position - self.window + 1) // self.block_manager.block_size
 
     def complete_step(self, scheduled: list[ScheduledSeq]) -> None:
         """Advance each scheduled sequence past the tokens it just computed (registering its full

@@ -171,6 +171,32 @@ def test_all_window_prefix_cache_reuses_released_blocks(all_window):
             assert out.cached_prompt_tokens >= (20 if name == "third" else 96), name
 
 
+def test_all_window_request_longer_than_the_pool_runs_and_one_it_cannot_hold_is_refused(all_window):
+    """Admission counts the blocks a sequence holds at once, not its whole history: a 164-token
+    request (41 blocks) runs in a pool of 12 (a 32-token chunk over the window: ceil((12 - 1 + 32)
+    / 4) + 1 = 12 blocks) and matches HF; a pool of 11 refuses it, naming the window. A prompt
+    whose cached prefix (11 blocks) and first chunk (5 more) exceed that pool runs on the cache:
+    the prefix's blocks before the window enter its table released, never taken (taking them all,
+    it would wait forever for blocks)."""
+    from nightshift.engine.request_validation import kv_blocks_needed
+    from nightshift.engine.types import InvalidRequestError
+    reference, ours = all_window
+    ids = prompt(100, 8)
+    assert kv_blocks_needed(100, NEW, 1, BLOCK, WINDOW, 32) == 12 < math.ceil((100 + NEW) / BLOCK)
+    eng = engine(ours, num_kv_blocks=12)
+    [out] = run(eng, [ids])
+    assert_matches(out, hf_logprobs(reference, ids), "a request longer than the pool")
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="window: 12 tokens.*12 KV blocks.*only 11"):
+        engine(ours, num_kv_blocks=11).validate(GenerationRequest("big", ids, params))
+
+    eng = engine(ours, num_kv_blocks=12)
+    run(eng, [ids[:44]], new_tokens=1)                  # leaves its 11 full blocks in the prefix cache
+    [cached] = run(eng, [ids[:64]], new_tokens=16)
+    assert cached.cached_prompt_tokens == 44
+    assert_matches(cached, hf_logprobs(reference, ids[:64], 16), "a prompt on a cached prefix")
+
+
 def test_released_blocks_are_not_offered_unless_their_whole_chain_is_cached():
     """BlockManager level: released blocks keep their hash while cached; once one is evicted (and
     its block reused), no later block of that chain is offered as a prefix hit."""
