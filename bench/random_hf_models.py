@@ -39,6 +39,19 @@ SHAPES: dict[str, tuple[str, str, dict]] = {   # name: (config class, model clas
     "olmoe-small": ("OlmoeConfig", "OlmoeForCausalLM", dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
                                   num_key_value_heads=16, intermediate_size=512, num_experts=16,
                                   num_experts_per_tok=4)),
+    # Mixtral 8x7B's layout (8 experts, top-2, GQA 4:1, expert width 3.5x hidden), fewer layers and narrower
+    "mixtral-small": ("MixtralConfig", "MixtralForCausalLM", dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                      num_key_value_heads=4, intermediate_size=3584, num_local_experts=8,
+                                      num_experts_per_tok=2)),
+    # Qwen3-30B-A3B's layout (q/k norms, head_dim 128, 128 narrow experts, top-8), fewer layers and experts
+    "qwen3-moe-small": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                        num_key_value_heads=4, head_dim=128, intermediate_size=3072,
+                                        moe_intermediate_size=384, num_experts=32, num_experts_per_tok=8,
+                                        norm_topk_prob=True)),
+    # Qwen1.5-MoE-A2.7B's layout (q/k/v biases, top-4 experts beside a gated shared expert 4x as wide), fewer layers and experts
+    "qwen2-moe-small": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                        num_key_value_heads=16, intermediate_size=2816, moe_intermediate_size=704,
+                                        shared_expert_intermediate_size=2816, num_experts=16, num_experts_per_tok=4)),
 }
 
 
