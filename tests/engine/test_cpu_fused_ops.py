@@ -119,3 +119,20 @@ def test_rope_store_rotates_q_and_k_and_writes_k_v_into_the_pool(rotary, with_bi
     else:   # rounded to bfloat16 from float32 values within 1e-5 of the reference's
         assert within_one_bf16_step(k_cache.flatten(), k_expected.flatten())
     assert torch.equal(v_cache, v_expected)
+
+
+def test_moe_combine_adds_each_tokens_weighted_experts_to_the_stream():
+    """The experts' bfloat16 outputs in their sorted order, each token's k of them weighted by the
+    router and added to the float32 residual stream: as the torch layer's index_add (to float32
+    summation order)."""
+    g = torch.Generator().manual_seed(5)
+    tokens, hidden, k, experts = 13, 96, 3, 5
+    chosen = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    order = torch.argsort(chosen.reshape(-1), stable=True)
+    out = torch.randn(tokens * k, hidden, generator=g).to(torch.bfloat16)
+    weights = torch.rand(tokens, k, generator=g)
+    x = torch.randn(tokens, hidden, generator=g)
+    expected = x + torch.zeros(tokens, hidden).index_add_(
+        0, order // k, out.float() * weights.reshape(-1, 1).index_select(0, order))
+    got = cpu_fused_ops.moe_combine(x.clone(), out, order, weights)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-5)

@@ -18,7 +18,9 @@ places: a linear's input and output):
   included), k and v written into the paged K/V pool at the rows' slots; q out as float32 for
   attention, which reads K/V from the pool;
 * ``silu_mul`` / ``gelu_tanh_mul``: ``act(gate) * up`` of the gate/up projection's result, rounded
-  to bfloat16.
+  to bfloat16;
+* ``moe_combine``: a mixture-of-experts layer's weighted sum of each token's experts' bfloat16
+  outputs, added to the residual stream (one pass, no gathered float32 copy).
 
 Built on first use with the system C compiler through kernels/c_library.py, like the attention
 kernel; ``load()`` is None where that fails, and the model keeps its torch ops
@@ -106,6 +108,23 @@ void act_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I, int64
     }
 }
 
+/* x [T, H] float32 += for each token t, sum over its k slots j (in slot order) of
+   weights[t, j] * out[pos[t * k + j]] (out [T * k, H] bf16: the experts' outputs in their sorted
+   order; pos: each assignment's row in it) -- a mixture-of-experts layer's weighted sum */
+void moe_combine(float *x, const uint16_t *out, const int64_t *pos, const float *weights,
+                 int64_t T, int64_t H, int64_t k) {
+    #pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *xt = x + t * H;
+        for (int64_t i = 0; i < H; i++) {
+            float acc = 0.f;
+            for (int64_t j = 0; j < k; j++)
+                acc += weights[t * k + j] * bf16_to_f32(out[pos[t * k + j] * H + i]);
+            xt[i] += acc;
+        }
+    }
+}
+
 /* x [n] into the pool at element `at` (float32, or bfloat16 where bf16) */
 static inline void store_row(void *pool, int64_t at, const float *x, int64_t n, int64_t bf16) {
     if (bf16) {
@@ -183,7 +202,8 @@ def load() -> Optional[ctypes.CDLL]:
             lib.add_rms_norm.argtypes = [_P] * 5 + [_I, _I, ctypes.c_float]
             lib.act_mul.argtypes = [_P, _P, _I, _I, _I]
             lib.rope_store.argtypes = [_P] * 10 + [ctypes.c_float] + [_I] * 7 + [ctypes.c_float]
-            for fn in (lib.add_rms_norm, lib.act_mul, lib.rope_store):
+            lib.moe_combine.argtypes = [_P] * 4 + [_I] * 3
+            for fn in (lib.add_rms_norm, lib.act_mul, lib.rope_store, lib.moe_combine):
                 fn.restype = None
         _lib, _loaded = lib, True
     return _lib
@@ -224,6 +244,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`gate_up` `[T, 2I]` bfloat16 -> ``gelu_tanh(gate) * up`` `[T, I]` bfloat16 (Gemma's GeGLU)."""
     return _act_mul(gate_up, gelu=True)
+
+
+def moe_combine(x: torch.Tensor, out: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """A mixture-of-experts layer's weighted sum into the residual stream, in place: `x` `[T, H]`
+    float32 += ``sum_j weights[t, j] * out[row of (t, j)]`` for each token t, its k slots in slot
+    order. `out` `[T * k, H]` bfloat16: the experts' outputs sorted by expert, `order` (int64) the
+    sorted position's assignment index ``t * k + j`` (models/moe.py SparseMoeBlock.expert_outputs);
+    `weights` `[T, k]` float32, the router's."""
+    rows, hidden = x.shape
+    k = weights.shape[1]
+    assert x.dtype == torch.float32 and x.is_contiguous() and weights.shape[0] == rows
+    assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.shape == (rows * k, hidden)
+    assert order.dtype == torch.int64 and order.shape == (rows * k,)
+    position = torch.empty_like(order)
+    position[order] = torch.arange(rows * k)                  # each assignment's row in `out`
+    weights = weights.float().contiguous()
+    load().moe_combine(x.data_ptr(), out.data_ptr(), position.data_ptr(), weights.data_ptr(), rows, hidden, k)
+    return x
 
 
 def rope_store(qkv: torch.Tensor, bias: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,

@@ -9,10 +9,11 @@ the fused bf16 CPU kernels run it (models/fused_cpu_layer.py says why and how), 
     x += sum over each token's experts of  weight * down_e(silu_mul(gate_up_e(h)))
          (+ sigmoid(gate . rms_norm(x)) * the shared expert of h: Qwen2-MoE)
 
-The experts run grouped by expert as in the torch layer (SparseMoeBlock.combine: each expert in
-use once, on its contiguous rows), their projections bfloat16 in and out (the bf16 CPU math's
-packed weights, or INT4 on the W4A8 kernel), SiLU-and-mul in the C kernel, the weighted sum in
-float32. Both forms give the same answers up to float32 summation order and the rounding of the
+The experts run grouped by expert as in the torch layer (SparseMoeBlock.expert_outputs: each
+expert in use once, on its contiguous rows), their projections bfloat16 in and out (the bf16 CPU
+math's packed weights, or INT4 on the W4A8 kernel), SiLU-and-mul in the C kernel, the weighted sum
+of each token's experts in float32 straight into the residual stream (``moe_combine``). Both
+forms give the same answers up to float32 summation order and the rounding of the
 router's input (the torch layer's float32 norm of x; here the same norm, recomputed in float32
 from the updated residual stream).
 """
@@ -64,7 +65,7 @@ class FusedMoeCpuLayer(FusedCpuLayer):
                                        self.post_eps)
         normed = self.router_norm(x)
         weights, chosen = self.block.route(normed)
-        out = self.block.combine(h, weights, chosen, lambda e, rows: _run(self.experts[e], rows))
+        out, order = self.block.expert_outputs(h, chosen, lambda e, rows: _run(self.experts[e], rows))
         if self.shared is not None:
-            out += torch.sigmoid(F.linear(normed, self.block.shared_expert_gate)) * _run(self.shared, h).float()
-        return x.add_(out)
+            x += torch.sigmoid(F.linear(normed, self.block.shared_expert_gate)) * _run(self.shared, h).float()
+        return cpu_fused_ops.moe_combine(x, out, order, weights)

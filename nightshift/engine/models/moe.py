@@ -126,12 +126,20 @@ class SparseMoeBlock(nn.Module):
     def combine(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                 run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Each token's chosen experts' outputs, weighted and summed (`[T, hidden]`, of the router
-        weights' dtype): the T * k (token, expert) assignments sorted by expert, so each expert's
-        rows of `x` are contiguous, and ``run(expert, rows)`` called once per expert in use."""
+        weights' dtype)."""
+        out, order = self.expert_outputs(x, chosen, run)
+        out = out.to(weights.dtype) * weights.reshape(-1, 1).index_select(0, order)
+        return torch.zeros(x.shape, dtype=weights.dtype, device=x.device).index_add_(0, order // self.top_k, out)
+
+    def expert_outputs(self, x: torch.Tensor, chosen: torch.Tensor,
+                       run: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expert step: the T * k (token, expert) assignments of `chosen` sorted by expert, so
+        each expert's rows of `x` are contiguous, and ``run(expert, rows)`` called once per expert in
+        use. Returns their outputs in that sorted order (`[T * k, hidden]`) and `order` (sorted
+        position -> assignment index token * top_k + slot)."""
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        token = order // self.top_k
-        rows = x.index_select(0, token)
+        rows = x.index_select(0, order // self.top_k)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         outputs = []
         start = 0
@@ -139,8 +147,7 @@ class SparseMoeBlock(nn.Module):
             if count:
                 outputs.append(run(expert, rows[start:start + count]))
                 start += count
-        out = torch.cat(outputs).to(weights.dtype) * weights.reshape(-1, 1).index_select(0, order)
-        return torch.zeros(x.shape, dtype=weights.dtype, device=x.device).index_add_(0, token, out)
+        return torch.cat(outputs), order
 
 
 class OlmoeAttention(Attention):
