@@ -25,7 +25,7 @@ SOURCE = r"""
 
 /* x [n, v] float32 -> out [n] int64: each row's first maximal index, or its first NaN's */
 void row_argmax(const float *x, int64_t n, int64_t v, int64_t *out) {
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (n > 1)
     for (int64_t i = 0; i < n; i++) {
         const float *r = x + i * v;
         float m = -INFINITY;

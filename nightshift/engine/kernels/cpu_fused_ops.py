@@ -56,7 +56,7 @@ static inline uint16_t f32_to_bf16(float f) {
    norms); delta [T, H] bf16. Then, where out != NULL: out [T, H] bf16 = w * x * rsqrt(mean(x^2) + eps). */
 void add_rms_norm(float *x, const uint16_t *delta, const float *delta_w, const float *w, uint16_t *out,
                   int64_t T, int64_t H, float eps) {
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (T > 1)      /* one row: no team to wake */
     for (int64_t t = 0; t < T; t++) {
         float *xt = x + t * H;
         if (delta) {
@@ -87,7 +87,7 @@ void add_rms_norm(float *x, const uint16_t *delta, const float *delta_w, const f
 /* gate_up [T, 2I] bf16 (gate first) -> out [T, I] bf16 = act(gate) * up, act silu or (gelu != 0)
    the tanh-approximated gelu (Gemma's GeGLU) */
 void act_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I, int64_t gelu) {
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (T > 1)      /* one row: no team to wake */
     for (int64_t t = 0; t < T; t++) {
         const uint16_t *g = gate_up + t * 2 * I, *u = g + I;
         uint16_t *o = out + t * I;
@@ -113,7 +113,7 @@ void act_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I, int64
    order; pos: each assignment's row in it) -- a mixture-of-experts layer's weighted sum */
 void moe_combine(float *x, const uint16_t *out, const int64_t *pos, const float *weights,
                  int64_t T, int64_t H, int64_t k) {
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (T > 1)      /* one row: no team to wake */
     for (int64_t t = 0; t < T; t++) {
         float *xt = x + t * H;
         for (int64_t i = 0; i < H; i++) {
@@ -156,7 +156,7 @@ void rope_store(const uint16_t *qkv, const float *bias, const float *cos_t, cons
                 int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t R, int64_t kv_bf16,
                 int64_t qk_whole, float clip) {
     const int64_t width = (H + 2 * KVH) * D, half = R / 2;
-    #pragma omp parallel for schedule(static)
+    #pragma omp parallel for schedule(static) if (T > 1)      /* one row: no team to wake */
     for (int64_t t = 0; t < T; t++) {
         float row[width];
         const uint16_t *src = qkv + t * width;

@@ -105,7 +105,7 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
     int64_t max_len = 1;
     for (int64_t i = 0; i < n; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
     const int64_t stride = (max_len + 31) & ~(int64_t)15;    /* one head's scores, whole vectors */
-    #pragma omp parallel
+    #pragma omp parallel if (n > 1)       /* one row is one work item: no team to wake for it */
     {
         float *scores = (float *)malloc(sizeof(float) * H * stride);
         float *qs = (float *)malloc(sizeof(float) * H * HD), *acc = (float *)malloc(sizeof(float) * H * HD);
