@@ -254,6 +254,11 @@ def llamacpp_greedy(model: str, prompts: list[list[int]], output_len: int, batch
     return _llamacpp_generate(llamacpp_path(model), prompts, output_len, batch_size, threads)[1]
 
 
+def llamacpp_seconds(model: str, prompt: list[int], output_len: int, threads: int) -> float:
+    """Seconds llama.cpp takes to prefill `prompt` and make `output_len` greedy tokens, alone (batch 1)."""
+    return _llamacpp_generate(llamacpp_path(model), [prompt], output_len, 1, threads)[0]
+
+
 def llamacpp_results(model: str, prompts: list[list[int]], output_len: int, sizes: list[int], threads: int,
                      log=print) -> list[PeerResult]:
     """llama.cpp on the model's own GGUF file (its quantization: Q4_1 for the default model, run as

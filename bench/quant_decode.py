@@ -1,12 +1,13 @@
 """Batch-1 decode speed, INT4 vs full precision, interleaved in one process.
 
-    python -m bench.quant_decode [--dtype float32] [--tokens 32] [--rounds 3] [--threads 1]
+    python -m bench.quant_decode [--dtype float32] [--tokens 32] [--rounds 3] [--threads 1] [--llamacpp]
 
 Both engines are loaded side by side and timed in alternation (none, int4, none, int4, ...) so
 that they see the same background load; on a shared machine this is much steadier than two
 separate bench runs. Decode time = time(1 + N tokens) - time(1 token), which removes the
 prefill. Reports wall-clock and process CPU time (the latter ignores time the OS gave to other
-processes) per decoded token.
+processes) per decoded token. --llamacpp times llama.cpp (llama-cpp-python, where installed) on
+the model's own GGUF file the same way in the same rounds, on the same prompt tokens.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 
 def main(argv=None) -> None:
+    from bench.peers import llamacpp_seconds
     from nightshift.engine.engine import Engine
     from nightshift.engine.types import GenerationRequest, SamplingParams
 
@@ -26,6 +28,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--llamacpp", action="store_true", help="also time llama.cpp on the model's GGUF file")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     engines = {q: Engine.from_pretrained(args.model, quantization=q, device="cpu", dtype=args.dtype, max_num_seqs=1)
@@ -41,6 +44,7 @@ def main(argv=None) -> None:
         generate(engine, 4)  # warm-up: first-use packing/caches
     wall = {q: 0.0 for q in engines}
     cpu = {q: 0.0 for q in engines}
+    llamacpp = 0.0
     for _ in range(args.rounds):
         for q, engine in engines.items():
             w0, c0 = time.perf_counter(), time.process_time()
@@ -50,6 +54,9 @@ def main(argv=None) -> None:
             w2, c2 = time.perf_counter(), time.process_time()
             wall[q] += (w2 - w1) - (w1 - w0)
             cpu[q] += (c2 - c1) - (c1 - c0)
+        if args.llamacpp:    # its own timer starts after the model load
+            llamacpp += (llamacpp_seconds(args.model, prompt, 1 + args.tokens, args.threads)
+                         - llamacpp_seconds(args.model, prompt, 1, args.threads))
     n = args.rounds * args.tokens
     print(f"batch-1 decode, {args.tokens} tokens x {args.rounds} rounds, dtype={engines['none'].runner.dtype}, "
           f"threads={args.threads}")
@@ -57,6 +64,9 @@ def main(argv=None) -> None:
         print(f"{q:5s} wall {n / wall[q]:7.2f} tok/s ({1e3 * wall[q] / n:6.1f} ms/token)   "
               f"cpu {n / cpu[q]:7.2f} tok/s ({1e3 * cpu[q] / n:6.1f} ms/token)")
     print(f"int4 / none speed-up: wall {wall['none'] / wall['int4']:.2f}x, cpu {cpu['none'] / cpu['int4']:.2f}x")
+    if args.llamacpp:
+        print(f"llama.cpp wall {n / llamacpp:7.2f} tok/s ({1e3 * llamacpp / n:6.1f} ms/token)   "
+              f"int4 / llama.cpp: {llamacpp / wall['int4']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def test_llamacpp_runs_each_sequence_of_a_batch_as_its_own(fp32_model):
     forward = peers.llamacpp_greedy("default", prompts, 6, 2, 1)
     backward = peers.llamacpp_greedy("default", prompts[::-1], 6, 2, 1)
     assert forward == backward[::-1] and all(len(tokens) == 6 for tokens in forward)
+    assert 0 < peers.llamacpp_seconds("default", prompts[0], 1, 1) < peers.llamacpp_seconds("default", prompts[0], 24, 1)
     engine = Engine.from_model(fp32_model, tokenizer, "fp", max_num_seqs=2)
     ours = next(iter(engine.generate([GenerationRequest("r", prompts[1], SamplingParams(
         max_tokens=6, temperature=0, ignore_eos=True))]))).token_ids
