@@ -23,7 +23,6 @@ from nightshift.engine.attention.base import AttentionBackend, StepMetadata
 from nightshift.engine.kv_cache import KVCache
 from nightshift.engine.layers import cpu_math
 from nightshift.engine.layers.linear import DenseLinear, DenseLinearFactory, LinearFactory, WeightSource
-from nightshift.engine.layers.q8_head import Q8Head
 from nightshift.engine.models import fused_cpu_layer, fused_gpu_layer
 from nightshift.engine.model_config import ModelConfig, rope_scaling_type
 
@@ -261,10 +260,6 @@ class LlamaForCausalLM(nn.Module):
                             if cpu_math.applies(self.embed_tokens, linear.math) else None)
         else:
             self.lm_head = projection("lm_head", [head])
-        # one-row steps' head from the GGUF's own Q8_0 blocks where it stores the matrix so (the same
-        # values as the float weights, half the bytes of bf16: layers/q8_head.py)
-        self.q8_head = (Q8Head.from_checkpoint(checkpoint.gguf, f"{head}.weight")
-                        if device.type == "cpu" and dtype == torch.float32 and linear.is_dense("lm_head") else None)
         self.rotary = self.rotary_embeddings(config, checkpoint).to(device)
         # the RoPE table each layer uses: "local" (sliding layers, where the config gives them
         # their own base: Gemma 3) or "global"
@@ -320,9 +315,6 @@ class LlamaForCausalLM(nn.Module):
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on final hidden states `[..., hidden_size]` (the tied embedding or lm_head),
         soft-capped where the config says so (Gemma 2)."""
-        if self.q8_head is not None and hidden.shape == (1, self.q8_head.in_features) and hidden.device.type == "cpu":
-            logits = self.q8_head.linear(hidden)
-        else:
-            logits = F.linear(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)
+        logits = F.linear(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
