@@ -44,7 +44,7 @@ ENV = "NIGHTSHIFT_CPU_FUSED_OPS"
 BACKEND = "cpu-kernel"      # the attention backend whose K/V store rope_store does (slot_mapping rows)
 
 
-def _bf16_weight(module, bias_allowed: bool):
+def bf16_weight(module, bias_allowed: bool):
     """What computes the projection bfloat16 in and out (``linear_bf16``): a dense layer's
     Bf16Weight, or an INT4 layer that can (quant/int4_linear.py ``bf16_ready``: on the W4A8
     kernel, or on the bf16 math with tinygemm for small steps and its dequantized Bf16Weight for
@@ -91,8 +91,8 @@ class _FusedLayer:
     @classmethod
     def from_layer(cls, layer):
         attn, mlp = layer.self_attn, layer.mlp
-        weights = (_bf16_weight(attn.qkv_proj, cls.qkv_bias_allowed), _bf16_weight(attn.o_proj, False),
-                   _bf16_weight(mlp.gate_up_proj, False), _bf16_weight(mlp.down_proj, False))
+        weights = (bf16_weight(attn.qkv_proj, cls.qkv_bias_allowed), bf16_weight(attn.o_proj, False),
+                   bf16_weight(mlp.gate_up_proj, False), bf16_weight(mlp.down_proj, False))
         return None if any(w is None for w in weights) else cls(layer, *weights)
 
     def attend(self, h, cos, sin, kv_cache, attention, meta) -> torch.Tensor:

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from nightshift.engine.kernels import cpu_fused_ops
-from nightshift.engine.models.fused_cpu_layer import FusedCpuLayer, _bf16_weight
+from nightshift.engine.models.fused_cpu_layer import FusedCpuLayer, bf16_weight
 
 
 def _expert_weights(expert) -> Optional[tuple]:
-    pair = (_bf16_weight(expert.gate_up_proj, False), _bf16_weight(expert.down_proj, False))
+    pair = (bf16_weight(expert.gate_up_proj, False), bf16_weight(expert.down_proj, False))
     return None if None in pair else pair
 
 
@@ -52,7 +52,7 @@ class FusedMoeCpuLayer(FusedCpuLayer):
     @classmethod
     def from_layer(cls, layer):
         attn, block = layer.self_attn, layer.mlp
-        qkv, o = _bf16_weight(attn.qkv_proj, True), _bf16_weight(attn.o_proj, False)
+        qkv, o = bf16_weight(attn.qkv_proj, True), bf16_weight(attn.o_proj, False)
         experts = [_expert_weights(e) for e in block.experts]
         shared = None if block.shared_expert is None else _expert_weights(block.shared_expert)
         if qkv is None or o is None or None in experts or (block.shared_expert is not None and shared is None):

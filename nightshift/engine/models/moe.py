@@ -121,15 +121,9 @@ class SparseMoeBlock(nn.Module):
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum (the shared expert aside)."""
         weights, chosen = self.route(x)
-        return self.combine(x, weights, chosen, lambda e, rows: self.experts[e](rows, self.activation))
-
-    def combine(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
-                run: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Each token's chosen experts' outputs, weighted and summed (`[T, hidden]`, of the router
-        weights' dtype)."""
-        out, order = self.expert_outputs(x, chosen, run)
-        out = out.to(weights.dtype) * weights.reshape(-1, 1).index_select(0, order)
-        return torch.zeros(x.shape, dtype=weights.dtype, device=x.device).index_add_(0, order // self.top_k, out)
+        out, order = self.expert_outputs(x, chosen, lambda e, rows: self.experts[e](rows, self.activation))
+        out = out * weights.reshape(-1, 1).index_select(0, order)
+        return torch.zeros_like(x).index_add_(0, order // self.top_k, out)
 
     def expert_outputs(self, x: torch.Tensor, chosen: torch.Tensor,
                        run: Callable[[int, torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
