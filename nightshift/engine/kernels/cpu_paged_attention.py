@@ -5,10 +5,14 @@ pool (index_select) before attending; on the benchmark workload that copy plus t
 were ~40% of a float32 decode step. This kernel walks each query row's block table instead. One
 work item is one row with all its heads (OpenMP over rows): a pass over the row's blocks computes
 every head's scores (on AVX-512, 16 positions at a time, each position's K widened once for all
-the query heads of its KV head, one transposing reduction for the 16 dot products), one exp pass
-per head, a second pass over the blocks accumulates V in registers; before the exp pass the next
-row's K blocks are requested into L2 (a 256-row call over ~330 positions, the rows' own blocks
-scattered through the pool: ~3.0 -> ~2.6 ms, timed ad hoc on a 2-core AVX-512 Zen 4 EPYC).
+the query heads of its KV head, each query vector loaded once per four positions, one transposing
+reduction for the 16 dot products), one exp pass per head, a second pass over the blocks
+accumulates V in registers; before the exp pass the next row's K blocks are requested into L2 (a
+256-row call over ~330 positions, the rows' own blocks scattered through the pool: ~3.0 -> ~2.6
+ms, timed ad hoc on a 2-core AVX-512 Zen 4 EPYC). Taking the query vectors once per four positions
+(not once per position: the loads, not the multiplies, had bound the score pass) took the same
+call 1.44 -> 1.22 ms on a 2-core Zen 5 EPYC, 1.17 -> 0.83 ms over blocks in cache (ad hoc; other
+head shapes 10-35%), the same bits.
 Each block's K and V are read front to back (all KV heads of a position are one contiguous run).
 A row's result depends on that row alone, so a lone request and the same request in a batch get
 the same bits. A query row attends to positions 0..lens-1 of its sequence (its own K/V are stored
@@ -66,16 +70,17 @@ static inline float kv_f32(kv_t x) { return x; }
 #else
 #define LOAD_KV(p) _mm512_loadu_ps(p)
 #endif
-/* v[0..15] -> one vector whose lane j is the sum of v[j]'s lanes (a transposing reduction:
-   45 shuffles and adds for 16 sums instead of 16 separate horizontal sums) */
-static inline __m512 sum16(__m512 v[16]) {
-    __m512 w[8], x[4], y[2];
-    for (int k = 0; k < 8; k++)
-        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-    for (int k = 0; k < 4; k++) {
-        __m512d a = _mm512_castps_pd(w[2 * k]), b = _mm512_castps_pd(w[2 * k + 1]);
-        x[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
+/* Sixteen dot products' partial vectors v[0..15] -> one vector whose lane j is the sum of v[j]'s
+   lanes (a transposing reduction: 45 shuffles and adds for 16 sums instead of 16 horizontal
+   sums), in two parts: fold4 takes four of them through the first two stages (v[k]'s lanes summed
+   into the k-th lane of each four-lane group), sum16_last the four folds through the rest. */
+static inline __m512 fold4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+    const __m512d a = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1)));
+    const __m512d b = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3)));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+}
+static inline __m512 sum16_last(const __m512 x[4]) {
+    __m512 y[2];
     for (int k = 0; k < 2; k++)
         y[k] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0x88),
                              _mm512_shuffle_f32x4(x[2 * k], x[2 * k + 1], 0xdd));
@@ -83,10 +88,12 @@ static inline __m512 sum16(__m512 v[16]) {
 }
 #endif
 
-/* every 64-byte line of [p, p + bytes) requested ahead of use: into L1 (l2 = 0) or L2 */
+/* [p, p + bytes) requested ahead of use, into L1 (l2 = 0) or L2: one prefetch per 128 bytes (the
+   CPU brings a line's neighbour in with it; prefetching every 64-byte line cost ~11% of a call over
+   blocks already in cache, and saved nothing on blocks from memory: ad hoc, a 2-core Zen 5 EPYC) */
 static inline void prefetch_block(const void *p, int64_t bytes, int l2) {
     const char *c = (const char *)p;
-    for (int64_t o = 0; o < bytes; o += 64) {
+    for (int64_t o = 0; o < bytes; o += 128) {
         if (l2) __builtin_prefetch(c + o, 0, 2);
         else __builtin_prefetch(c + o, 0, 3);
     }
@@ -130,46 +137,32 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
 #ifdef VEC
                     for (int64_t j0 = 0; j0 < cnt; j0 += 16) {
                         const int64_t c = cnt - j0 < 16 ? cnt - j0 : 16;
-#if GQ <= 4
-                        /* every query head of this KV head at once: each position's K widened once
-                           (not once per head), the heads' partial dot products kept apart (the same
-                           operations, in the same order, as one head at a time below) */
-                        __m512 parts[GQ][16];
-                        for (int j = 0; j < 16; j++) {
-                            if (j < c) {
-                                const kv_t *kp = kb + (j0 + j) * row;
-                                __m512 kv[NV];
-                                for (int v = 0; v < NV; v++) kv[v] = LOAD_KV(kp + 16 * v);
-                                for (int g = 0; g < GQ; g++) {
-                                    const float *qg = qs + (h * GQ + g) * HD;
-                                    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), kv[0]);
-                                    for (int v = 1; v < NV; v++) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), kv[v], s);
-                                    parts[g][j] = s;
+                        /* every query head of this KV head at once, four positions at a time: each
+                           position's K widened once (not once per head), each query vector loaded
+                           once per four positions, and the four positions' dot products folded by
+                           the first two stages of sum16 at once (sum16's operations in its order:
+                           the same bits as one head and sixteen positions at a time below) */
+                        __m512 quarter[GQ][4];
+                        for (int jq = 0; jq < 16; jq += 4) {
+                            __m512 kv[4][NV];
+                            for (int p = 0; p < 4; p++) {
+                                const kv_t *kp = kb + (j0 + jq + p) * row;
+                                for (int v = 0; v < NV; v++) kv[p][v] = jq + p < c ? LOAD_KV(kp + 16 * v) : _mm512_setzero_ps();
+                            }
+                            for (int g = 0; g < GQ; g++) {
+                                const float *qg = qs + (h * GQ + g) * HD;
+                                __m512 d[4];
+                                const __m512 q0 = _mm512_loadu_ps(qg);
+                                for (int p = 0; p < 4; p++) d[p] = _mm512_mul_ps(q0, kv[p][0]);
+                                for (int v = 1; v < NV; v++) {
+                                    const __m512 qv = _mm512_loadu_ps(qg + 16 * v);
+                                    for (int p = 0; p < 4; p++) d[p] = _mm512_fmadd_ps(qv, kv[p][v], d[p]);
                                 }
-                            } else {
-                                for (int g = 0; g < GQ; g++) parts[g][j] = _mm512_setzero_ps();
+                                quarter[g][jq / 4] = fold4(d[0], d[1], d[2], d[3]);
                             }
                         }
                         for (int g = 0; g < GQ; g++)
-                            _mm512_storeu_ps(scores + (h * GQ + g) * stride + t0 + j0, sum16(parts[g]));
-#else
-                        for (int g = 0; g < GQ; g++) {
-                            const float *qg = qs + (h * GQ + g) * HD;
-                            __m512 part[16];
-                            for (int j = 0; j < 16; j++) {
-                                if (j < c) {
-                                    const kv_t *kp = kb + (j0 + j) * row;
-                                    __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), LOAD_KV(kp));
-                                    for (int v = 1; v < NV; v++)
-                                        s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * v), LOAD_KV(kp + 16 * v), s);
-                                    part[j] = s;
-                                } else {
-                                    part[j] = _mm512_setzero_ps();
-                                }
-                            }
-                            _mm512_storeu_ps(scores + (h * GQ + g) * stride + t0 + j0, sum16(part));
-                        }
-#endif
+                            _mm512_storeu_ps(scores + (h * GQ + g) * stride + t0 + j0, sum16_last(quarter[g]));
                     }
 #else
                     for (int64_t j = 0; j < cnt; j++) {
