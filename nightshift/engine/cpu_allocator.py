@@ -12,6 +12,14 @@ raises the mmap and trim thresholds (mallopt) so those blocks stay in the heap a
 the process's resident memory then stays near its peak instead of shrinking between steps,
 which is what a worker serving batches wants. Called once per process by the engine on CPU;
 where the C library is not glibc it does nothing.
+
+`huge_page_zeros` allocates the K/V pool (engine/kv_cache.py) on 2 MiB pages where the kernel
+allows them for the asking (transparent huge pages in "madvise" mode, the common default; "always"
+needs no asking, "never" gives none): a decode step's attention reads each sequence's own blocks,
+scattered through a pool of gigabytes, so with 4 KiB pages nearly every block read is also a TLB
+miss. On a 2-core AMD EPYC Zen 5, `bench.engine --skip-hf` alternating with and without it: 1423.2
+/ 1430.1 against 1355.8 / 1361.2 output tok/s (the 256-row attention calls 5.57 / 5.51 s against
+5.78 / 5.60 s of the run).
 """
 from __future__ import annotations
 
@@ -19,6 +27,11 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import math
+import mmap
+import warnings
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -42,3 +55,27 @@ def keep_large_allocations() -> bool:
     if not done:
         log.warning("could not raise malloc's mmap threshold: large CPU tensors page-fault every step")
     return done
+
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on memory of its own (an anonymous private mapping, so no page of it was
+    touched before) that is asked to be huge pages before its first touch (MADV_HUGEPAGE); where
+    that is not possible (no such madvise, a tensor under 2 MiB), torch.zeros. The mapping lives as
+    long as the tensor."""
+    count = math.prod(shape)
+    size = count * torch.empty((), dtype=dtype).element_size()
+    if size < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    except OSError as error:      # the kernel has no transparent huge pages: ordinary pages then
+        log.debug("madvise(MADV_HUGEPAGE) refused (%s): the K/V pool stays on 4 KiB pages", error)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")      # frombuffer's note that the tensor shares the buffer
+        tensor = torch.frombuffer(memory, dtype=dtype, count=count).view(shape)
+    return tensor.zero_()          # every page faulted in now, at load, not in the first steps

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from nightshift.engine.cpu_allocator import huge_page_zeros
 from nightshift.engine.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]      # (k_cache, v_cache) of one layer
@@ -22,7 +23,10 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[KVCache]:
-    """A zeroed pool of `num_blocks` blocks for every layer."""
+    """A zeroed pool of `num_blocks` blocks for every layer (on CPU, on huge pages where the kernel
+    gives them: cpu_allocator.huge_page_zeros)."""
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    if torch.device(device).type == "cpu":
+        return [(huge_page_zeros(shape, dtype), huge_page_zeros(shape, dtype)) for _ in range(config.num_layers)]
     return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(config.num_layers)]
