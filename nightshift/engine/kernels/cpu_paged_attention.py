@@ -7,21 +7,22 @@ work item is one row with all its heads (OpenMP over rows): a pass over the row'
 every head's scores (on AVX-512, 16 positions at a time, each position's K widened once for all
 the query heads of its KV head, each query vector loaded once per four positions, one transposing
 reduction for the 16 dot products), one exp pass per head, a second pass over the blocks
-accumulates V in registers; before the exp pass the next row's K blocks are requested into L2 (a
-256-row call over ~330 positions, the rows' own blocks scattered through the pool: ~3.0 -> ~2.6
-ms, timed ad hoc on a 2-core AVX-512 Zen 4 EPYC). Taking the query vectors once per four positions
-(not once per position: the loads, not the multiplies, had bound the score pass) took the same
-call 1.44 -> 1.22 ms on a 2-core Zen 5 EPYC, 1.17 -> 0.83 ms over blocks in cache (ad hoc; other
-head shapes 10-35%), the same bits.
+accumulates V in registers. Each thread takes every T-th row and, while it computes one, asks for
+its next row's K/V blocks a few cache lines at a time (`struct ahead` in the source). Ad hoc
+timings of a 256-row call over ~330 positions (a 13-block shared prefix, 3 KV heads of 64, bf16
+pool) on a 2-core AMD EPYC Zen 5: taking each query vector once per four positions (not once per
+position: the loads, not the multiplies, had bound the score pass) 1.17 -> 0.83 ms with every
+block in cache (other head shapes 10-35%; the same bits); the walk ahead, each layer's pool in
+memory as in a real run, 1.75 -> 1.12 ms.
 Each block's K and V are read front to back (all KV heads of a position are one contiguous run).
 A row's result depends on that row alone, so a lone request and the same request in a batch get
 the same bits. A query row attends to positions 0..lens-1 of its sequence (its own K/V are stored
 before the call), or with a sliding window to its last `window` of them, with scores soft-capped
-where asked (Gemma 2/3, Mistral). CpuKernelAttention (engine/attention/cpu_kernel_backend.py) sends it decode
-rows only.
+where asked (Gemma 2/3, Mistral). CpuKernelAttention (engine/attention/cpu_kernel_backend.py) sends it every
+row of a step, decode rows and prefill chunks alike.
 
 At 256 rows of ~300 positions the kernel is bound by reading the rows' own K/V from memory (the
-shared prefix stays in cache): a pool of bfloat16 K/V (what the fused bf16 layers use,
+shared prefix stays in cache; merely reading the blocks of that call takes 0.67 ms): a pool of bfloat16 K/V (what the fused bf16 layers use,
 models/fused_cpu_layer.py) halves that; the arithmetic stays float32 either way.
 
 Built on first use per (query heads per KV head, head dim, pool dtype) with the system C compiler
@@ -47,6 +48,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <omp.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -88,17 +90,38 @@ static inline __m512 sum16_last(const __m512 x[4]) {
 }
 #endif
 
-/* [p, p + bytes) requested ahead of use, into L1 (l2 = 0) or L2: one prefetch per 128 bytes (the
-   CPU brings a line's neighbour in with it; prefetching every 64-byte line cost ~11% of a call over
-   blocks already in cache, and saved nothing on blocks from memory: ad hoc, a 2-core Zen 5 EPYC) */
-static inline void prefetch_block(const void *p, int64_t bytes, int l2) {
-    const char *c = (const char *)p;
-    for (int64_t o = 0; o < bytes; o += 128) {
-        if (l2) __builtin_prefetch(c + o, 0, 2);
-        else __builtin_prefetch(c + o, 0, 3);
+/* The rows' own K/V blocks are scattered through a pool of gigabytes, so a decode call is bound by
+   reading them from memory. Each thread takes every T-th row (static schedule) and, while it works
+   on one row, walks through the K and V blocks of its next one, a few 64-byte lines at a time
+   (QK_LINES per block of the score pass, PV_LINES per position of the value pass), asking for them
+   ahead of use. A burst of prefetches for a whole row at once, or for the next block only, is
+   mostly dropped by the CPU (its miss buffers are full) and gained nothing; spread like this, a
+   256-row call over ~330 positions, each layer's pool in memory (not cache), took 1.75 -> 1.12 ms
+   on a 2-core AMD EPYC Zen 5 (ad hoc), against 0.78 ms with everything in cache and 0.67 ms to
+   merely read the blocks. Blocks the row before it reads too (a shared prefix; a prefill chunk's own
+   sequence) are skipped: they are in cache already. */
+#define QK_LINES 16
+#define PV_LINES 1
+struct ahead { const int32_t *tab, *prev; int64_t b, nb, nprev, o; };
+static inline void ahead_start(struct ahead *a, const int32_t *tables, int64_t tw, const int32_t *lens,
+                               int64_t r, int64_t n, int64_t bs, int64_t window) {
+    a->b = a->nb = a->o = 0;
+    if (r <= 0 || r >= n) return;
+    const int64_t L = lens[r];
+    a->tab = tables + r * tw; a->prev = tables + (r - 1) * tw;
+    a->nb = (L + bs - 1) / bs; a->nprev = (lens[r - 1] + bs - 1) / bs;
+    a->b = window > 0 && L > window ? (L - window) / bs : 0;
+}
+static inline void ahead_step(struct ahead *a, const char *k, const char *v, int64_t block_bytes, int lines) {
+    while (lines > 0 && a->b < a->nb) {
+        if (a->o == 0 && a->b < a->nprev && a->prev[a->b] == a->tab[a->b]) { a->b++; continue; }
+        const int64_t at = (int64_t)a->tab[a->b] * block_bytes + a->o;
+        __builtin_prefetch(k + at, 0, 3);
+        __builtin_prefetch(v + at, 0, 3);
+        lines--;
+        if ((a->o += 64) >= block_bytes) { a->o = 0; a->b++; }
     }
 }
-
 /* q, out [n, KVH * GQ, HD]; k_cache, v_cache [blocks, bs, KVH, HD]; tables [n, tw] (block ids
    of each row's sequence); lens [n]: row i attends to positions 0 .. lens[i]-1. Work item = one
    row, all its heads: the scores of every head first, block by block (each block's K read once,
@@ -116,28 +139,21 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
     {
         float *scores = (float *)malloc(sizeof(float) * H * stride);
         float *qs = (float *)malloc(sizeof(float) * H * HD), *acc = (float *)malloc(sizeof(float) * H * HD);
-        char *shared = (char *)malloc(tw + 1);
-        #pragma omp for schedule(dynamic, 1)
+        const int64_t T = omp_get_num_threads(), block_bytes = bs * row * sizeof(kv_t);
+        struct ahead next;
+        #pragma omp for schedule(static, 1)
         for (int64_t i = 0; i < n; i++) {
+            ahead_start(&next, tables, tw, lens, i + T, n, bs, window);
             const int64_t L = lens[i], nb = (L + bs - 1) / bs;
             /* a window: only positions first .. L-1 (blocks before first's are never read: the
                block manager may have given them back) */
             const int64_t first = window > 0 && L > window ? L - window : 0, b0 = first / bs;
             const int32_t *tab = tables + i * tw;
             for (int64_t d = 0; d < H * HD; d++) { qs[d] = q[i * H * HD + d] * scale; acc[d] = 0.f; }
-            /* a block the previous row also reads (a shared prefix, a prefill chunk's own
-               sequence) is in cache already: only the others are prefetched (~0.1 ms of a 256-row
-               call of ~330 positions went to prefetching cached blocks) */
-            const int64_t prev_nb = i > 0 ? (lens[i - 1] + bs - 1) / bs : 0;
-            for (int64_t b = b0; b < nb; b++) shared[b] = b < prev_nb && tables[(i - 1) * tw + b] == tab[b];
             for (int64_t b = b0; b < nb; b++) {
                 const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
-                /* the blocks are scattered through the pool: start the next block's K, and this
-                   block's V (read after the exp pass, into L2), on their way while this block's
-                   scores are computed (~8% on a call of 256 rows of ~300 positions, timed alone on a
-                   2-core AVX-512 EPYC; under 1% of bench.engine's run) */
-                if (b + 1 < nb && !shared[b + 1]) prefetch_block(k_cache + (int64_t)tab[b + 1] * bs * row, bs * row * sizeof(kv_t), 0);
-                if (!shared[b]) prefetch_block(v_cache + (int64_t)tab[b] * bs * row, cnt * row * sizeof(kv_t), 1);
+                /* the next row's blocks on their way while this one computes (struct ahead) */
+                ahead_step(&next, (const char *)k_cache, (const char *)v_cache, block_bytes, QK_LINES);
                 for (int64_t h = 0; h < KVH; h++) {
                     const kv_t *kb = k_cache + (int64_t)tab[b] * bs * row + h * HD;
 #ifdef VEC
@@ -146,8 +162,9 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                         /* every query head of this KV head at once, four positions at a time: each
                            position's K widened once (not once per head), each query vector loaded
                            once per four positions, and the four positions' dot products folded by
-                           the first two stages of sum16 at once (sum16's operations in its order:
-                           the same bits as one head and sixteen positions at a time below) */
+                           the first two stages of the transposing reduction at once (fold4, then
+                           sum16_last: the same operations in the same order as one head and
+                           sixteen positions at a time, so the same bits as before) */
                         __m512 quarter[GQ][4];
                         for (int jq = 0; jq < 16; jq += 4) {
                             __m512 kv[4][NV];
@@ -184,12 +201,6 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
 #endif
                 }
             }
-            if (i + 1 < n) {     /* the next row's K (of its window) on its way into L2 while this one finishes */
-                const int64_t Ln = lens[i + 1], next = (Ln + bs - 1) / bs;
-                for (int64_t b = window > 0 && Ln > window ? (Ln - window) / bs : 0; b < next; b++)
-                    if (b >= nb || tables[(i + 1) * tw + b] != tab[b])
-                        prefetch_block(k_cache + (int64_t)tables[(i + 1) * tw + b] * bs * row, bs * row * sizeof(kv_t), 1);
-            }
             float l[H];
             const int64_t s0 = b0 * bs;                   /* the scores written: s0 .. L-1 */
             for (int64_t hg = 0; hg < H; hg++) {
@@ -213,6 +224,7 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                     for (int g = 0; g < GQ; g++)
                         for (int v = 0; v < NV; v++) av[g][v] = _mm512_loadu_ps(acc + (h * GQ + g) * HD + 16 * v);
                     for (int64_t j = 0; j < cnt; j++) {
+                        ahead_step(&next, (const char *)k_cache, (const char *)v_cache, block_bytes, PV_LINES);
                         const kv_t *vp = vb + j * row;
                         __m512 vv[NV];
                         for (int v = 0; v < NV; v++) vv[v] = LOAD_KV(vp + 16 * v);
@@ -242,7 +254,7 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                 for (int d = 0; d < HD; d++) o[d] = acc[hg * HD + d] * inv;
             }
         }
-        free(scores); free(qs); free(acc); free(shared);
+        free(scores); free(qs); free(acc);
     }
 }
 """
