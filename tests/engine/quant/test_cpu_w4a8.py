@@ -61,6 +61,24 @@ def test_matches_the_quantized_product(out_features, in_features, group, rows):
     assert torch.equal(packed.linear(xb, avx2=True), got_b)
 
 
+def test_bfloat16_out_rounds_as_torch_does_with_infinities_and_nans():
+    """Outputs are rounded to bfloat16 eight at a time (the tail one by one): the same bits as
+    torch's rounding of the float32 result, wherever that is a number (a NaN stays a NaN: an
+    infinite input against mixed-sign weights), in both forms."""
+    generator = torch.Generator().manual_seed(7)
+    packed = cpu_w4a8.W4A8Weight(quantize_rtn(torch.randn(44, 64, generator=generator), 32, clip_search=False))
+    x = torch.randn(6, 64, generator=generator) * 1e3
+    x[1, 3] = float("inf")
+    x[2] = 0.0
+    for form in (False, True):
+        float_out = packed.linear(x.bfloat16().float(), avx2=form)
+        assert float_out[1].isnan().any() and (float_out[2] == 0).all()
+        got, expected = packed.linear(x.bfloat16(), avx2=form), float_out.bfloat16()
+        assert torch.equal(got.isnan(), expected.isnan())
+        numbers = ~expected.isnan()
+        assert torch.equal(got[numbers].view(torch.int16), expected[numbers].view(torch.int16))
+
+
 def test_the_cpus_form_is_vnni_where_it_can_be():
     from nightshift.engine.cpu_features import cpu_flags
     assert cpu_w4a8.uses_vnni() == ({"avx512_vnni", "avx512bw"} <= cpu_flags())
