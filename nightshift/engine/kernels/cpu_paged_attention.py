@@ -18,12 +18,13 @@ Each block's K and V are read front to back (all KV heads of a position are one 
 A row's result depends on that row alone, so a lone request and the same request in a batch get
 the same bits. A query row attends to positions 0..lens-1 of its sequence (its own K/V are stored
 before the call), or with a sliding window to its last `window` of them, with scores soft-capped
-where asked (Gemma 2/3, Mistral). CpuKernelAttention (engine/attention/cpu_kernel_backend.py) sends it every
-row of a step, decode rows and prefill chunks alike.
+where asked (Gemma 2/3, Mistral). CpuKernelAttention (engine/attention/cpu_kernel_backend.py)
+sends it every row of a step, decode rows and prefill chunks alike.
 
 At 256 rows of ~300 positions the kernel is bound by reading the rows' own K/V from memory (the
-shared prefix stays in cache; merely reading the blocks of that call takes 0.67 ms): a pool of bfloat16 K/V (what the fused bf16 layers use,
-models/fused_cpu_layer.py) halves that; the arithmetic stays float32 either way.
+shared prefix stays in cache; merely reading the blocks of that call takes 0.67 ms): a pool of
+bfloat16 K/V (what the fused bf16 layers use, models/fused_cpu_layer.py) halves that; the
+arithmetic stays float32 either way.
 
 Built on first use per (query heads per KV head, head dim, pool dtype) with the system C compiler
 (`cc -O3 -march=native -fopenmp`, the first two as constants so the inner loops unroll) through
@@ -237,6 +238,7 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                         for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + (h * GQ + g) * HD + 16 * v, av[g][v]);
 #else
                     for (int64_t j = 0; j < cnt; j++) {
+                        ahead_step(&next, (const char *)k_cache, (const char *)v_cache, block_bytes, PV_LINES);
                         const kv_t *vp = vb + j * row;
                         for (int g = 0; g < GQ; g++) {
                             float *ag = acc + (h * GQ + g) * HD;
