@@ -59,7 +59,6 @@ def keep_large_allocations() -> bool:
     return done
 
 
-
 HUGE_PAGE = 2 << 20
 
 

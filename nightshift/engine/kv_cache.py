@@ -26,7 +26,8 @@ def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, dt
     """A zeroed pool of `num_blocks` blocks for every layer (on CPU, on huge pages where the kernel
     gives them: cpu_allocator.huge_page_zeros)."""
     shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    if torch.device(device).type == "cpu":
-        return [(huge_page_zeros(shape, dtype), huge_page_zeros(shape, dtype)) for _ in range(config.num_layers)]
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(config.num_layers)]
+    on_cpu = torch.device(device).type == "cpu"
+
+    def zeros() -> torch.Tensor:
+        return huge_page_zeros(shape, dtype) if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
+    return [(zeros(), zeros()) for _ in range(config.num_layers)]

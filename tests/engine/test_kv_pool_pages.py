@@ -40,10 +40,11 @@ def test_the_cpu_pool_has_every_layers_k_and_v_apart():
     config = ModelConfig(architecture="llama", hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                          head_dim=8, intermediate_size=64, vocab_size=64, rms_norm_eps=1e-6, rope_theta=10000.0,
                          max_position_embeddings=128, tie_word_embeddings=True)
-    pool = allocate_kv_caches(config, num_blocks=2048, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    # 16,384 blocks of 256 bytes: 4 MiB a tensor, so each on a mapping of its own (huge_page_zeros)
+    pool = allocate_kv_caches(config, num_blocks=16384, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
     assert len(pool) == 3
     for k, v in pool:
-        assert k.shape == v.shape == (2048, 4, 2, 8) and k.is_contiguous() and v.is_contiguous()
+        assert k.shape == v.shape == (16384, 4, 2, 8) and k.is_contiguous() and v.is_contiguous()
         assert not k.any() and not v.any()
     pool[1][0].fill_(1.0)            # one layer's K written: nothing else moves
-    assert all(not t.any() for layer, kv in enumerate(pool) for t in kv if t is not pool[1][0])
+    assert all(not t.any() for kv in pool for t in kv if t is not pool[1][0])
