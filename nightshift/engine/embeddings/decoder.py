@@ -113,6 +113,7 @@ class HeadlessLinearFactory:
     no LM head at all (is_dense("lm_head") is False, so a tied head is not packed either)."""
 
     math = "float32"
+    small_step_rows = 0
 
     def __init__(self, pack: bool = False):
         self.pack = pack

@@ -99,6 +99,10 @@ class LinearFactory(Protocol):
     """Builds the module of each projection of the model."""
 
     math: str          # the CPU math of its float32 layers (engine/layers/cpu_math.py)
+    # steps of at most this many rows run its layers on a kernel of their own that reads the
+    # weights (an INT4 model's small steps on CPU: quant/int4_linear.py), where the LM head reads a
+    # GGUF's Q8_0 blocks too (layers/q8_head.py); 0: every step on the same math
+    small_step_rows: int
 
     def __call__(self, source: WeightSource) -> nn.Module:
         """A module computing `x @ W.T (+ b)` for the projection `source` describes."""
@@ -110,6 +114,8 @@ class LinearFactory(Protocol):
 
 class DenseLinearFactory:
     """Every projection full precision, float32 CPU weights held for `math` (engine/layers/cpu_math.py)."""
+
+    small_step_rows = 0
 
     def __init__(self, math: str = "float32"):
         self.math = math

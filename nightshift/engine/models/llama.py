@@ -23,6 +23,7 @@ from nightshift.engine.attention.base import AttentionBackend, StepMetadata
 from nightshift.engine.kv_cache import KVCache
 from nightshift.engine.layers import cpu_math
 from nightshift.engine.layers.linear import DenseLinear, DenseLinearFactory, LinearFactory, WeightSource
+from nightshift.engine.layers.q8_head import Q8Head
 from nightshift.engine.models import fused_cpu_layer, fused_gpu_layer
 from nightshift.engine.model_config import ModelConfig, rope_scaling_type
 
@@ -260,6 +261,11 @@ class LlamaForCausalLM(nn.Module):
                             if cpu_math.applies(self.embed_tokens, linear.math) else None)
         else:
             self.lm_head = projection("lm_head", [head])
+        # the LM head of an INT4 model's small steps from the GGUF's own Q8_0 blocks, where it stores
+        # the matrix so (the same values as the float weights, half the bytes of bf16: layers/q8_head.py)
+        self.q8_head, self.q8_head_rows = None, linear.small_step_rows
+        if device.type == "cpu" and self.q8_head_rows > 0 and linear.is_dense("lm_head"):
+            self.q8_head = Q8Head.from_checkpoint(checkpoint.gguf, f"{head}.weight")
         self.rotary = self.rotary_embeddings(config, checkpoint).to(device)
         # the RoPE table each layer uses: "local" (sliding layers, where the config gives them
         # their own base: Gemma 3) or "global"
@@ -313,8 +319,12 @@ class LlamaForCausalLM(nn.Module):
         return self.project_logits(self.norm(x)).float()
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head on final hidden states `[..., hidden_size]` (the tied embedding or lm_head),
-        soft-capped where the config says so (Gemma 2)."""
-        logits = F.linear(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)
+        """The LM head on final hidden states `[..., hidden_size]` (the tied embedding or lm_head;
+        an INT4 model's small steps the GGUF's Q8_0 blocks of it), soft-capped where the config says
+        so (Gemma 2)."""
+        if self.q8_head is not None and hidden.dim() == 2 and hidden.shape[0] <= self.q8_head_rows:
+            logits = self.q8_head.linear(hidden)
+        else:
+            logits = F.linear(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -1,0 +1,139 @@
+"""The LM head of an INT4 model's small steps from a GGUF's own Q8_0 blocks, on the CPU: half the
+bytes of bf16.
+
+A decode step of one to a few sequences is bound by reading weights, and the LM head is the
+largest of them (SmolLM2's tied 49,152 x 576 embedding: 57 MB in bfloat16, 113 MB in float32, read
+for every token). Where the checkpoint is a GGUF that stores that matrix as Q8_0 (int8 values with
+one float16 scale per 32; the default model's file does), the float weights the engine holds are
+exactly ``q * d``, so the head can read the int8 values and scales instead (30 MB) and lose
+nothing: ``Q8Head.linear`` computes ``sum_b d[n, b] * sum_{k in b} q[n, k] * x[m, k]`` in float32,
+the same products as the float32 head up to summation order, and closer to them than the bf16 CPU
+math's head (bfloat16 weights and activations).
+
+Which steps use it: those an INT4 model runs on torch's int4 kernel, at most ``cpu_int4_max_rows``
+rows (``LinearFactory.small_step_rows``; quant/int4_linear.py): there the layers already read the
+weights through another kernel than the larger steps' dense math, so a row's logits already depend
+on which side of that bound its step falls, and the head adds no new dependence. A full-precision
+model (whose rows' results must not depend on the rows beside them: engine/layers/cpu_math.py) and
+the INT4 layers on the W4A8 kernel (one kernel for every step size) keep the dense head at every
+step. Within the small steps every row is computed alone, the same operations whatever rows share
+the step.
+
+An AVX-512 C kernel (OpenMP over groups of 16 output rows, held interleaved so a vector's lanes are
+16 rows: no horizontal sums; a group's 9 KB of weights read once from memory for all the step's
+rows), built on first use through kernels/c_library.py; on CPUs without AVX-512, or where it cannot
+build, the dense head runs. One row of SmolLM2's head on a 2-core Zen 4 EPYC: 0.94-1.06 ms against
+3.0 ms for the bf16 CPU math's head (timed ad hoc).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import numpy as np
+import torch
+
+from nightshift.engine.cpu_features import cpu_flags
+from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
+from nightshift.engine.layers.linear import GGUFBlocks
+
+Q8_0 = 8                # gguf.GGMLQuantizationType.Q8_0
+BLOCK = 32
+BLOCK_BYTES = 34        # float16 scale + 32 int8
+
+SOURCE = r"""
+#include <stdint.h>
+
+#include <immintrin.h>
+
+/* y [M, N] float32 = x @ W.T (x [M, K] float32: a small step's rows), W the Q8_0 matrix held 16
+   rows interleaved: q [Np/16, K, 16] int8 (column k of rows 16g..16g+15 contiguous), d [Np/16,
+   K/32, 16] float32. The 16 lanes of a vector are a group's 16 output rows: per input channel one
+   16-byte load widened to float and one multiply-add (two chains, even and odd channels), per
+   block of 32 one multiply-add by the 16 rows' scales; no horizontal sums. Each row of x runs the
+   same operations alone (a group's weights stay in L1 from one row to the next). */
+void q8_linear(const float *x, int64_t M, const int8_t *q, const float *d, float *y, int64_t N, int64_t K) {
+    const int64_t nb = K / 32, groups = (N + 15) / 16;
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const int8_t *qg = q + g * K * 16;
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * K;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nb; b++) {
+                __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+                for (int64_t k = b * 32; k < b * 32 + 32; k += 2) {
+                    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qg + k * 16))));
+                    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qg + k * 16 + 16))));
+                    b0 = _mm512_fmadd_ps(w0, _mm512_set1_ps(xm[k]), b0);
+                    b1 = _mm512_fmadd_ps(w1, _mm512_set1_ps(xm[k + 1]), b1);
+                }
+                acc = _mm512_fmadd_ps(_mm512_loadu_ps(d + (g * nb + b) * 16), _mm512_add_ps(b0, b1), acc);
+            }
+            float out[16];
+            _mm512_storeu_ps(out, acc);
+            for (int l = 0; l < 16 && g * 16 + l < N; l++) y[m * N + g * 16 + l] = out[l];
+        }
+    }
+}
+"""
+
+_lib: Optional[ctypes.CDLL] = None
+_loaded = False
+
+
+def load() -> Optional[ctypes.CDLL]:
+    """The kernel's library, built on first use; None where it cannot be built or the CPU has no
+    AVX-512 (the kernel is written in its intrinsics)."""
+    global _lib, _loaded
+    if not _loaded:
+        lib = load_library("q8_head", SOURCE, [*OPTIMIZE, "-ffast-math"]) if "avx512f" in cpu_flags() else None
+        if lib is not None:
+            lib.q8_linear.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+            lib.q8_linear.restype = None
+        _lib, _loaded = lib, True
+    return _lib
+
+
+class Q8Head:
+    """A Q8_0 matrix `[N, K]` as int8 values and float32 block scales; ``linear(x)`` = ``x @ W.T``."""
+
+    def __init__(self, blocks: GGUFBlocks):
+        if blocks.qtype != Q8_0 or blocks.in_features % BLOCK:
+            raise ValueError(f"not Q8_0 rows of whole blocks: type {blocks.qtype}, {blocks.in_features} columns")
+        n, k = blocks.out_features, blocks.in_features
+        raw = np.ascontiguousarray(blocks.raw).reshape(n, k // BLOCK, BLOCK_BYTES)
+        scales = torch.from_numpy(raw[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(n, k // BLOCK))
+        values = torch.from_numpy(raw[:, :, 2:].copy().view(np.int8).reshape(n, k))
+        padded = -(-n // 16) * 16                   # whole groups of 16 rows (zeros beyond n)
+        self.values = torch.zeros(padded, k, dtype=torch.int8)
+        self.values[:n] = values
+        self.values = self.values.view(padded // 16, 16, k).transpose(1, 2).contiguous()     # [Np/16, K, 16]
+        self.scales = torch.zeros(padded, k // BLOCK)
+        self.scales[:n] = scales
+        self.scales = self.scales.view(padded // 16, 16, -1).transpose(1, 2).contiguous()    # [Np/16, K/32, 16]
+        self.out_features, self.in_features = n, k
+
+    @classmethod
+    def from_checkpoint(cls, gguf, name: str) -> Optional["Q8Head"]:
+        """The Q8_0 form of the checkpoint's matrix `name`, where it is stored so and the kernel builds."""
+        blocks = gguf(name)
+        if blocks is None or blocks.qtype != Q8_0 or blocks.in_features % BLOCK or load() is None:
+            return None
+        return cls(blocks)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix `[N, K]` (``q * d``: the GGUF's own values)."""
+        values = self.values.transpose(1, 2).reshape(-1, self.in_features)[:self.out_features].float()
+        scales = self.scales.transpose(1, 2).reshape(-1, self.in_features // BLOCK)[:self.out_features]
+        return (values.view(self.out_features, -1, BLOCK) * scales[..., None]).view(self.out_features,
+                                                                                   self.in_features)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows `x` `[M, K]` (any float dtype; computed in float32) -> float32 `[M, N]`."""
+        assert x.dim() == 2 and x.shape[1] == self.in_features, f"rows of {self.in_features}, got {tuple(x.shape)}"
+        x = x.float().contiguous()
+        y = torch.empty(x.shape[0], self.out_features)
+        load().q8_linear(x.data_ptr(), x.shape[0], self.values.data_ptr(), self.scales.data_ptr(), y.data_ptr(),
+                         self.out_features, self.in_features)
+        return y

@@ -1,0 +1,56 @@
+"""The Q8_0 LM head of an INT4 model's small steps (engine/layers/q8_head.py): the GGUF's own int8
+values and scales, exactly the float weights the model holds; its logits equal the float32 head's to
+float32 summation order, each row computed alone; only the steps that run the INT4 layers on torch's
+int4 kernel use it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nightshift.engine.layers import q8_head
+from nightshift.engine.layers.linear import GGUFBlocks
+from nightshift.engine.loader import load_checkpoint, load_model
+from nightshift.engine.quant.config import QuantConfig
+
+pytestmark = pytest.mark.skipif(q8_head.load() is None, reason="needs an AVX-512 CPU and a C compiler")
+
+
+def test_synthetic_q8_0_rows_match_their_dequantized_product():
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 96, generator=g)                 # 40 rows: the last group of 16 padded
+    raw = quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+    head = q8_head.Q8Head(GGUFBlocks(raw, int(GGMLQuantizationType.Q8_0), 40, 96))
+    exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q8_0))
+    assert torch.equal(head.dequantize(), exact)
+    x = torch.randn(5, 96, generator=g)
+    y = head.linear(x)
+    torch.testing.assert_close(y, F.linear(x, exact), rtol=1e-5, atol=1e-5)
+    for i in range(5):                                        # each row alone gives the same bits
+        assert torch.equal(head.linear(x[i:i + 1]), y[i:i + 1])
+    assert torch.equal(head.linear(x.bfloat16()), head.linear(x.bfloat16().float()))
+    with pytest.raises(AssertionError, match="rows of 96"):
+        head.linear(torch.randn(2, 95))
+
+
+@pytest.mark.slow
+def test_an_int4_models_small_steps_read_the_gguf_q8_0_head(fp32_model, monkeypatch):
+    assert fp32_model.q8_head is None                         # full precision: one head for every step
+    int4 = load_model("default", dtype=torch.float32, quant_config=QuantConfig(), cpu_math="float32",
+                      cpu_int4="dense")
+    head = int4.q8_head
+    assert head is not None and int4.q8_head_rows == QuantConfig().cpu_int4_max_rows
+    assert load_checkpoint("default").gguf("model.embed_tokens.weight").qtype == q8_head.Q8_0
+    assert torch.equal(head.dequantize(), fp32_model.embed_tokens)
+    hidden = torch.randn(int4.q8_head_rows + 1, fp32_model.config.hidden_size)
+    expected = F.linear(hidden, fp32_model.embed_tokens)
+    calls = []
+    monkeypatch.setattr(head, "linear", lambda x, real=head.linear: calls.append(x.shape[0]) or real(x))
+    small = int4.project_logits(hidden[:-1])                 # cpu_int4_max_rows rows: the Q8_0 head
+    assert (small - expected[:-1]).abs().max().item() <= 1e-5 * expected.abs().max().item()
+    assert int4.project_logits(hidden).shape[0] == hidden.shape[0] and calls == [hidden.shape[0] - 1]
+    # the W4A8 kernel runs every step size: its model keeps the dense head throughout
+    assert load_model("default", dtype=torch.float32, quant_config=QuantConfig(), cpu_math="float32",
+                      cpu_int4="w4a8").q8_head is None
