@@ -115,9 +115,12 @@ def _load(model: str, quant_config, cache_dir):
 
 
 def _set_int4_max_rows(model, rows: int) -> None:
+    """The INT4 layers' small-step bound, and the LM head's that follows it (layers/q8_head.py)."""
     for module in model.modules():
         if isinstance(module, Int4Linear):
             module.cpu_int4_max_rows = rows
+    if model.q8_head is not None:
+        model.q8_head_rows = rows
 
 
 # Int4Linear.cpu_int4_max_rows for (the prefill step, the decode steps): "dense" forces the

@@ -7,9 +7,10 @@ What runs, chosen per call by ``Int4Linear.kernel_for`` (engine/quant/README.md 
 * CPU with ``cpu_kernel="w4a8"`` (only when asked for: engine/layers/cpu_math.py ``choose_int4``):
   every step through engine/quant/cpu_w4a8.py, the 4-bit weight (repacked on first use) against
   int8 activations; no dense copy of the weight is kept.
-* CPU (``cpu_kernel="dense"``), steps of at most ``cpu_int4_max_rows`` rows: torch's int4 CPU
-  kernel (tinygemm), with bfloat16 activations (its float32 mode is ~6x slower here; the result
-  is cast back).
+* CPU (``cpu_kernel="dense"``), steps of at most ``cpu_int4_max_rows`` rows: a kernel that reads
+  the 4-bit weight, with bfloat16 activations (the result cast back): ours
+  (engine/quant/cpu_w4_bf16.py, AVX-512 BF16's ``vdpbf16ps`` on the exact 4-bit values) where the
+  CPU has AVX-512 BF16, else torch's int4 CPU kernel (tinygemm; its float32 mode is ~6x slower).
 * CPU (``dense``), larger steps: a dense matmul with the dequantized weight in the activation dtype
   (float32 for bfloat16 activations on CPUs without native bf16), kept after first use when
   ``cache_dense_weight`` (else dequantized per call); a kept float32 weight is held for the
@@ -25,7 +26,7 @@ from torch import nn
 from nightshift.engine.cpu_features import cpu_has_native_bf16
 from nightshift.engine.layers import cpu_math
 from nightshift.engine.layers.cpu_math import INT4_KERNELS
-from nightshift.engine.quant import cpu_w4a8
+from nightshift.engine.quant import cpu_w4_bf16, cpu_w4a8
 from nightshift.engine.quant.config import DEFAULT_CPU_INT4_MAX_ROWS
 from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from nightshift.engine.quant.format import Int4Weight
@@ -67,6 +68,7 @@ class Int4Linear(nn.Module):
         self._dense: dict[tuple[torch.device, torch.dtype], object] = {}
         self._kernel_weight = None        # CUDA: int4_dispatch.KernelWeight (with tinygemm's form, if used)
         self._w4a8: cpu_w4a8.W4A8Weight | None = None
+        self._w4_bf16: cpu_w4_bf16.W4Bf16Weight | None = None
 
     @property
     def int4_weight(self) -> Int4Weight:
@@ -79,6 +81,7 @@ class Int4Linear(nn.Module):
         self._dense = {}
         self._kernel_weight = None
         self._w4a8 = None
+        self._w4_bf16 = None
         return super()._apply(fn, recurse)
 
     def set_weight(self, weight: Int4Weight, input_scale: torch.Tensor | None = None) -> None:
@@ -96,13 +99,16 @@ class Int4Linear(nn.Module):
 
     def kernel_for(self, x2d: torch.Tensor) -> str:
         """The matmul this call runs, by device, CPU kernel and step rows (the module docstring says
-        why): "triton" on CUDA, "w4a8" on CPU with that kernel, else "tinygemm" for CPU steps of at
-        most cpu_int4_max_rows rows and "dense" above."""
+        why): "triton" on CUDA, "w4a8" on CPU with that kernel, else for CPU steps of at most
+        cpu_int4_max_rows rows "w4-bf16" (ours, where the CPU has AVX-512 BF16) or "tinygemm", and
+        "dense" above."""
         if x2d.is_cuda:
             return "triton"
         if self.cpu_kernel == "w4a8":
             return "w4a8"
-        return "tinygemm" if x2d.shape[0] <= self.cpu_int4_max_rows else "dense"
+        if x2d.shape[0] > self.cpu_int4_max_rows:
+            return "dense"
+        return "w4-bf16" if cpu_w4_bf16.available() else "tinygemm"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -122,7 +128,7 @@ class Int4Linear(nn.Module):
                 self._kernel_weight = KernelWeight(self.qweight, self.scales, self.mins, self.group_size)
             y = int4_matmul(x2d, self._kernel_weight)
         else:
-            y = self._tinygemm(x2d.to(torch.bfloat16)).to(x.dtype)
+            y = self._small_step(x2d.to(torch.bfloat16)).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
@@ -138,14 +144,14 @@ class Int4Linear(nn.Module):
 
     def linear_bf16(self, x2d: torch.Tensor) -> torch.Tensor:
         """bfloat16 ``[M, K]`` -> bfloat16 ``[M, N]``, bias not added (the fused CPU layer adds the
-        q/k/v bias itself), on a ``bf16_ready`` layer: tinygemm for steps of at most
+        q/k/v bias itself), on a ``bf16_ready`` layer: the small-step kernel for steps of at most
         ``cpu_int4_max_rows`` rows (bfloat16 in and out, as ``forward`` runs it), else the kept
         dense weight's bf16 matmul (the ``cpu_math.Bf16Weight`` that ``forward``'s dense path uses);
         every step on the W4A8 kernel where that is the layer's CPU kernel."""
         if self.cpu_kernel == "w4a8":
             return self._w4a8_weight().linear(x2d)
         if x2d.shape[0] <= self.cpu_int4_max_rows:
-            return self._tinygemm(x2d)
+            return self._small_step(x2d)
         w = self._dense_weight(x2d.device, torch.float32)
         if not isinstance(w, cpu_math.Bf16Weight):
             raise RuntimeError(f"linear_bf16 needs the bf16 CPU math's weight, this layer keeps {type(w).__name__}")
@@ -155,6 +161,14 @@ class Int4Linear(nn.Module):
         if self._w4a8 is None:
             self._w4a8 = cpu_w4a8.W4A8Weight(self.int4_weight)
         return self._w4a8
+
+    def _small_step(self, x2d: torch.Tensor) -> torch.Tensor:
+        """bfloat16 rows -> bfloat16: our kernel where the CPU has AVX-512 BF16, else torch's."""
+        if cpu_w4_bf16.available():
+            if self._w4_bf16 is None:
+                self._w4_bf16 = cpu_w4_bf16.W4Bf16Weight(self.int4_weight)
+            return self._w4_bf16.linear(x2d)
+        return self._tinygemm(x2d)
 
     def _tinygemm(self, x2d: torch.Tensor) -> torch.Tensor:
         if self._tinygemm_packed is None:

@@ -8,7 +8,7 @@ from nightshift.engine.layers.linear import GGUFBlocks, WeightSource
 from nightshift.engine.layers.linear import DenseLinear
 from nightshift.engine.quant.cache import QuantizedCheckpointCache, cache_file
 from nightshift.engine.quant.config import QuantConfig, resolve_quant_config
-from nightshift.engine.quant import cpu_w4a8
+from nightshift.engine.quant import cpu_w4_bf16, cpu_w4a8
 from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from nightshift.engine.quant.format import quantize_rtn
 from nightshift.engine.quant.int4_linear import Int4Linear
@@ -35,11 +35,12 @@ def test_int4_linear_both_paths(weight, rows):
     bias = torch.randn(192)
     layer = Int4Linear(weight, bias, cpu_int4_max_rows=8)
     x = torch.randn(rows, 384)
-    assert layer.kernel_for(x) == ("tinygemm" if rows <= 8 else "dense")
+    small = "w4-bf16" if cpu_w4_bf16.available() else "tinygemm"        # ours where the CPU has AVX-512 BF16
+    assert layer.kernel_for(x) == (small if rows <= 8 else "dense")
     ref = F.linear(x, weight.dequantize(), bias)
     out = layer(x)
     assert out.shape == (rows, 192) and out.dtype == torch.float32
-    # tinygemm runs with bfloat16 activations (relative ~4e-3); the dense path is float32
+    # the small-step kernels run with bfloat16 activations (relative ~4e-3); the dense path is float32
     tol = 1e-2 if rows <= 8 else 1e-5
     assert ((out - ref).abs().max() / ref.abs().max()) < tol
 
