@@ -10,7 +10,10 @@ weight, dense dequantizing on every call, dense float32 (`F.linear`), the float3
 CPU math (bfloat16 weights packed for oneDNN, bfloat16 activations; "-" on CPUs without native
 bf16), and our W4A8 kernel (engine/quant/cpu_w4a8.py, bfloat16 in and out as the fused layers
 call it; "-" where it does not run), in the form this CPU builds (AVX-512 VNNI where it has it)
-and, on such a CPU, its AVX2 form too ("w4a8 avx2"). Used to set DEFAULT_CPU_INT4_MAX_ROWS.
+and, on such a CPU, its AVX2 form too ("w4a8 avx2"), and our INT4 x bfloat16 kernel of small steps
+("w4 bf16", engine/quant/cpu_w4_bf16.py: what an INT4 layer runs instead of tinygemm up to
+cpu_int4_max_rows rows where the CPU has AVX-512 BF16; "-" elsewhere). Used to set
+DEFAULT_CPU_INT4_MAX_ROWS.
 
 CUDA: one decoder layer's projections (qkv, o, gate_up, down) of the named shape, several
 distinct layers so the weights come from memory, not L2, each timed as CUDA-graph replays (no
@@ -29,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from nightshift.engine.layers import cpu_math
-from nightshift.engine.quant import cpu_w4a8
+from nightshift.engine.quant import cpu_w4_bf16, cpu_w4a8
 from nightshift.engine.quant.cpu_kernels import pack_for_tinygemm, tinygemm_linear, tinygemm_scales_and_zeros
 from nightshift.engine.quant.format import quantize_rtn
 
@@ -157,11 +160,12 @@ def main(argv=None) -> None:
     bf16_maths = ([cpu_math.prepare(dense32, "bf16") for *_, dense32 in layers]
                   if "bf16" in cpu_math.supported() else None)
     w4a8 = [cpu_w4a8.W4A8Weight(w) for w, *_ in layers] if cpu_w4a8.available() else None
+    w4_bf16 = [cpu_w4_bf16.W4Bf16Weight(w) for w, *_ in layers] if cpu_w4_bf16.available() else None
     vnni = cpu_w4a8.uses_vnni()
     print(f"threads={args.threads} dtype={args.dtype} group={args.group_size}; ms per step over "
           f"{args.layers} x (qkv+o+gate_up+down)")
     print(f"{'M':>5} {'int4 tinygemm':>14} {'dense cached':>13} {'dense dequant':>14} {'dense fp32':>11} "
-          f"{'fp32 math':>10} {'bf16 math':>10} {'w4a8':>8} {'w4a8 avx2':>10}")
+          f"{'fp32 math':>10} {'bf16 math':>10} {'w4a8':>8} {'w4a8 avx2':>10} {'w4 bf16':>8}")
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, dtype=dtype) for _, k in SHAPES}
         xs32 = {k: v.float() for k, v in xs.items()}
@@ -196,11 +200,16 @@ def main(argv=None) -> None:
             for (w, *_), packed in zip(layers, w4a8):
                 packed.linear(xs16[w.in_features], avx2=avx2)
 
+        def small_steps():
+            for (w, *_), packed in zip(layers, w4_bf16):
+                packed.linear(xs16[w.in_features])
+
         t_16 = f"{_time(math16, reps):>10.3f}" if bf16_maths else f"{'-':>10}"
         t_ours = f"{_time(ours, reps):>8.3f}" if w4a8 else f"{'-':>8}"
         t_avx2 = f"{_time(lambda: ours(avx2=True), reps):>10.3f}" if w4a8 and vnni else f"{'-':>10}"
+        t_small = f"{_time(small_steps, reps):>8.3f}" if w4_bf16 else f"{'-':>8}"
         print(f"{m:>5} {_time(int4, reps):>14.3f} {_time(dense, reps):>13.3f} {_time(dequant, reps):>14.3f} "
-              f"{_time(dense32, reps):>11.3f} {_time(math32, reps):>10.3f} {t_16} {t_ours} {t_avx2}")
+              f"{_time(dense32, reps):>11.3f} {_time(math32, reps):>10.3f} {t_16} {t_ours} {t_avx2} {t_small}")
 
 
 if __name__ == "__main__":
