@@ -135,6 +135,8 @@ def load() -> Optional[ctypes.CDLL]:
     """The kernel's library, built on first use; None where the CPU lacks AVX-512 BF16 / BW or it
     cannot be built."""
     global _lib, _loaded
+    if _loaded:                 # every small step asks: no lock once built
+        return _lib
     with _lock:
         if not _loaded:
             flags = cpu_flags()
