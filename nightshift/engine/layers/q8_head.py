@@ -1,4 +1,4 @@
-"""The LM head of an INT4 model's small steps from a GGUF's own Q8_0 blocks, on the CPU: half the
+"""The LM head of an INT4 model's small calls from a GGUF's own Q8_0 blocks, on the CPU: half the
 bytes of bf16.
 
 A decode step of one to a few sequences is bound by reading weights, and the LM head is the
@@ -10,14 +10,15 @@ nothing: ``Q8Head.linear`` computes ``sum_b d[n, b] * sum_{k in b} q[n, k] * x[m
 the same products as the float32 head up to summation order, and closer to them than the bf16 CPU
 math's head (bfloat16 weights and activations).
 
-Which steps use it: those an INT4 model runs on torch's int4 kernel, at most ``cpu_int4_max_rows``
-rows (``LinearFactory.small_step_rows``; quant/int4_linear.py): there the layers already read the
-weights through another kernel than the larger steps' dense math, so a row's logits already depend
-on which side of that bound its step falls, and the head adds no new dependence. A full-precision
-model (whose rows' results must not depend on the rows beside them: engine/layers/cpu_math.py) and
-the INT4 layers on the W4A8 kernel (one kernel for every step size) keep the dense head at every
-step. Within the small steps every row is computed alone, the same operations whatever rows share
-the step.
+Which calls use it: an INT4 model's head calls of at most ``cpu_int4_max_rows`` rows (the rows
+that need logits: every row of a small decode step, the last of each prompt a prefill step ends;
+``LinearFactory.small_step_rows``, with the INT4 layers on the dense kernel: quant/int4_linear.py).
+That model's layers already run another kernel for small steps than for larger ones, so a row's
+logits already depend on the size of the step it falls in, and the head adds no dependence of a
+new kind. A full-precision model (whose rows' results must not depend on the rows beside them:
+engine/layers/cpu_math.py) and the INT4 layers on the W4A8 kernel (one kernel for every step size)
+keep the dense head for every call. Within a call every row is computed alone, the same operations
+whatever rows share it.
 
 An AVX-512 C kernel (OpenMP over groups of 16 output rows, held interleaved so a vector's lanes are
 16 rows: no horizontal sums; each weight vector widened once for up to 8 of the step's rows),

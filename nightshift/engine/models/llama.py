@@ -261,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
                             if cpu_math.applies(self.embed_tokens, linear.math) else None)
         else:
             self.lm_head = projection("lm_head", [head])
-        # the LM head of an INT4 model's small steps from the GGUF's own Q8_0 blocks, where it stores
+        # an INT4 model's head calls of a few rows from the GGUF's own Q8_0 blocks, where it stores
         # the matrix so (the same values as the float weights, half the bytes of bf16: layers/q8_head.py)
         self.q8_head, self.q8_head_rows = None, linear.small_step_rows
         if device.type == "cpu" and self.q8_head_rows > 0 and linear.is_dense("lm_head"):
@@ -320,7 +320,7 @@ class LlamaForCausalLM(nn.Module):
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on final hidden states `[..., hidden_size]` (the tied embedding or lm_head;
-        an INT4 model's small steps the GGUF's Q8_0 blocks of it), soft-capped where the config says
+        an INT4 model's calls of a few rows the GGUF's Q8_0 blocks of it), soft-capped where the config says
         so (Gemma 2)."""
         if self.q8_head is not None and hidden.dim() == 2 and hidden.shape[0] <= self.q8_head_rows:
             logits = self.q8_head.linear(hidden)
