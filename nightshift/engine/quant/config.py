@@ -31,8 +31,10 @@ class QuantConfig:
         GGUF spelling. The embedding and the
         lm_head are kept by default: the embedding is a row lookup (no matmul to speed up),
         and the lm_head's logits drive sampling directly (SmolLM2 also ties it to the embedding).
-    cpu_int4_max_rows: on CPU, steps with at most this many rows use torch's int4 kernel,
-        larger ones a dense matmul of the dequantized weight.
+    cpu_int4_max_rows: on CPU, steps with at most this many rows use a kernel that reads the
+        4-bit weight (ours where the CPU has AVX-512 BF16, engine/quant/cpu_w4_bf16.py, else
+        torch's int4 kernel), and LM head calls of at most this many rows a GGUF's Q8_0 blocks
+        (engine/layers/q8_head.py); larger ones a dense matmul of the dequantized weight.
     method: how full-precision weights are quantized: "rtn" (round-to-nearest, each group's
         scale/min searched, engine/quant/format.py), "awq" (the same after activation-aware
         per-channel scaling, engine/quant/awq.py), "gptq" (Hessian-based error compensation,
