@@ -155,3 +155,14 @@ def test_quant_config_layers_and_resolution():
         resolve_quant_config("int8")
     with pytest.raises(ValueError, match="group_size"):
         QuantConfig(group_size=16)
+
+
+def test_small_steps_take_torchs_int4_kernel_where_ours_does_not_run(weight, monkeypatch):
+    monkeypatch.setattr(cpu_w4_bf16, "available", lambda: False)        # a CPU without AVX-512 BF16
+    layer = Int4Linear(weight, None, cpu_int4_max_rows=8)
+    x = torch.randn(3, 384)
+    assert layer.kernel_for(x) == "tinygemm"
+    expected = tinygemm_linear(x.bfloat16(), pack_for_tinygemm(weight), 64,
+                               tinygemm_scales_and_zeros(weight, torch.bfloat16)).float()
+    assert torch.equal(layer(x), expected)
+    assert layer._w4_bf16 is None                                       # ours never packed
