@@ -121,6 +121,14 @@ def load() -> Optional[ctypes.CDLL]:
     return _lib
 
 
+def _groups_of_16(t: torch.Tensor) -> torch.Tensor:
+    """`[N, C]` -> `[Np/16, C, 16]`: each 16 rows interleaved (a vector's lanes are 16 output rows),
+    rows beyond N zeros."""
+    padded = torch.zeros(-(-t.shape[0] // 16) * 16, t.shape[1], dtype=t.dtype)
+    padded[:t.shape[0]] = t
+    return padded.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
+
+
 class Q8Head:
     """A Q8_0 matrix `[N, K]` as int8 values and float32 block scales; ``linear(x)`` = ``x @ W.T``."""
 
@@ -131,13 +139,7 @@ class Q8Head:
         raw = np.ascontiguousarray(blocks.raw).reshape(n, k // BLOCK, BLOCK_BYTES)
         scales = torch.from_numpy(raw[:, :, :2].copy().view(np.float16).astype(np.float32).reshape(n, k // BLOCK))
         values = torch.from_numpy(raw[:, :, 2:].copy().view(np.int8).reshape(n, k))
-        padded = -(-n // 16) * 16                   # whole groups of 16 rows (zeros beyond n)
-        self.values = torch.zeros(padded, k, dtype=torch.int8)
-        self.values[:n] = values
-        self.values = self.values.view(padded // 16, 16, k).transpose(1, 2).contiguous()     # [Np/16, K, 16]
-        self.scales = torch.zeros(padded, k // BLOCK)
-        self.scales[:n] = scales
-        self.scales = self.scales.view(padded // 16, 16, -1).transpose(1, 2).contiguous()    # [Np/16, K/32, 16]
+        self.values, self.scales = _groups_of_16(values), _groups_of_16(scales)   # [Np/16, K, 16], [Np/16, K/32, 16]
         self.out_features, self.in_features = n, k
 
     @classmethod
