@@ -24,7 +24,7 @@ from nightshift.engine.kv_cache import KVCache
 from nightshift.engine.layers import cpu_math
 from nightshift.engine.layers.linear import DenseLinear, DenseLinearFactory, LinearFactory, WeightSource
 from nightshift.engine.layers.q8_head import Q8Head
-from nightshift.engine.models import fused_cpu_layer, fused_gpu_layer
+from nightshift.engine.models import fused_cpu_layer, fused_cpu_stack, fused_gpu_layer
 from nightshift.engine.model_config import ModelConfig, rope_scaling_type
 
 # builds the projection `name` from the checkpoint parts stacked along its output dim
@@ -275,6 +275,9 @@ class LlamaForCausalLM(nn.Module):
         # math, or INT4 on the W4A8 kernel) and the layer shape allows
         # (models/fused_cpu_layer.py); None: the torch layers always
         self.fused_layers = fused_cpu_layer.build(self, self.fused_cpu_form)
+        # a small step (batch-1 decode) of an INT4 model through those layers in one C call
+        # (models/fused_cpu_stack.py); None: the layers one by one from Python
+        self.fused_stack = fused_cpu_stack.build(self) if self.fused_layers is not None else None
         # on CUDA, the same layers with their small ops as Triton kernels (models/fused_gpu_layer.py)
         self.fused_gpu_layers = fused_gpu_layer.build(self, plain_layer)
 
@@ -310,6 +313,8 @@ class LlamaForCausalLM(nn.Module):
         layers = self.layers
         if self.fused_layers is not None and attention.name == fused_cpu_layer.BACKEND:
             layers = self.fused_layers
+            if self.fused_stack is not None and self.fused_stack.runs(x.shape[0]):
+                x, layers = self.fused_stack(x, rope, kv_caches, meta), ()      # every layer in one C call
         elif self.fused_gpu_layers is not None and attention.name == fused_gpu_layer.BACKEND:
             layers = self.fused_gpu_layers
         for layer, kv_cache, which in zip(layers, kv_caches, self.layer_rope):

@@ -165,10 +165,22 @@ class Int4Linear(nn.Module):
     def _small_step(self, x2d: torch.Tensor) -> torch.Tensor:
         """bfloat16 rows -> bfloat16: our kernel where the CPU has AVX-512 BF16, else torch's."""
         if cpu_w4_bf16.available():
-            if self._w4_bf16 is None:
-                self._w4_bf16 = cpu_w4_bf16.W4Bf16Weight(self.int4_weight)
-            return self._w4_bf16.linear(x2d)
+            return self.small_step_weight().linear(x2d)
         return self._tinygemm(x2d)
+
+    def small_steps_on_w4_bf16(self) -> bool:
+        """Whether ``linear_bf16`` runs this layer's small steps on our W4 x bfloat16 kernel: a CPU
+        layer on the dense kernel with no AWQ input scale, and a CPU with AVX-512 BF16
+        (models/fused_cpu_stack.py calls that kernel itself then)."""
+        return (self.qweight.device.type == "cpu" and self.cpu_kernel == "dense" and self.input_scale is None
+                and cpu_w4_bf16.available())
+
+    def small_step_weight(self) -> cpu_w4_bf16.W4Bf16Weight:
+        """The weight as our W4 x bfloat16 kernel reads it, built on first use (and again after a
+        move, a cast or a new weight)."""
+        if self._w4_bf16 is None:
+            self._w4_bf16 = cpu_w4_bf16.W4Bf16Weight(self.int4_weight)
+        return self._w4_bf16
 
     def _tinygemm(self, x2d: torch.Tensor) -> torch.Tensor:
         if self._tinygemm_packed is None:

@@ -1,0 +1,135 @@
+"""A small step's whole stack of fused CPU layers in one C call (engine/models/fused_cpu_stack.py):
+the same logits, bit for bit, as the fused layers called one by one from Python, on the INT4
+default model (Llama) and on tiny INT4 Qwen3 (per-head q/k norms) and Qwen2 (q/k/v bias) models;
+steps above its row limit, other models and NIGHTSHIFT_CPU_FUSED_STACK=0 keep the Python loop."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nightshift.engine.kernels import cpu_fused_ops
+from nightshift.engine.layers import cpu_math
+from nightshift.engine.loader import load_model
+from nightshift.engine.model_runner import ModelRunner
+from nightshift.engine.models import fused_cpu_stack
+from nightshift.engine.quant import cpu_w4_bf16
+from nightshift.engine.quant.config import resolve_quant_config
+from nightshift.engine.quant.format import quantize_rtn
+from nightshift.engine.step import StepItem
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(cpu_fused_ops.load() is None or not cpu_w4_bf16.available()
+                                 or "bf16" not in cpu_math.supported(),
+                                 reason="needs the fused CPU layers and the W4 x bf16 kernel (AVX-512 BF16)")]
+
+
+def int4_model(path: str, cache_dir):
+    return load_model(path, dtype=torch.float32, cpu_math="bf16", quant_config=resolve_quant_config("int4"),
+                      cache_dir=str(cache_dir))
+
+
+class Counting:
+    """The model's stack, counting the steps it ran."""
+
+    def __init__(self, stack):
+        self.stack, self.calls = stack, 0
+
+    def runs(self, rows):
+        return self.stack.runs(rows)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.stack(*args)
+
+
+def decode_steps(runner, prompts, forced, stack) -> tuple[torch.Tensor, int]:
+    """Every step's logits (the prompts prefilled, then teacher-forced decode steps of all rows, then
+    of the first row alone) with `stack` as the runner's model's (None: the Python loop), and how
+    many steps it ran (each call writes every pool slot it reads)."""
+    model = runner.model
+    counting = None if stack is None else Counting(stack)
+    saved, model.fused_stack = model.fused_stack, counting
+    try:
+        tables = [list(range(12 * i, 12 * i + 12)) for i in range(len(prompts))]
+        steps = [runner.execute([StepItem(p, 0, t) for p, t in zip(prompts, tables)])]
+        for step in range(len(forced[0])):
+            steps.append(runner.execute([StepItem([f[step]], len(p) + step, t)
+                                         for f, p, t in zip(forced, prompts, tables)]))
+        start = len(prompts[0]) + len(forced[0])
+        for step, token in enumerate(forced[0][:3]):
+            steps.append(runner.execute([StepItem([token], start + step, tables[0])]))
+        return torch.cat(steps), (0 if counting is None else counting.calls)
+    finally:
+        model.fused_stack = saved
+
+
+def check_same_bits(model, rows: int = 3, seed: int = 0) -> None:
+    assert model.fused_stack is not None
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (37, 20, 55, 8)[:rows]]
+    forced = [torch.randint(100, 40000, (5,), generator=g).tolist() for _ in prompts]
+    runner = ModelRunner(model, num_kv_blocks=48, block_size=16)
+    with_stack, ran = decode_steps(runner, prompts, forced, model.fused_stack)
+    python_loop, _ = decode_steps(runner, prompts, forced, None)
+    assert ran == 5 + 3                          # every decode step, not the prefill
+    assert torch.isfinite(with_stack).all() and torch.equal(with_stack, python_loop)
+
+
+@pytest.fixture(scope="module")
+def default_int4(default_model_path, tmp_path_factory):
+    return int4_model(default_model_path, tmp_path_factory.mktemp("int4-cache"))
+
+
+def test_the_default_int4_model_gets_the_same_bits_in_one_call(default_int4):
+    stack = default_int4.fused_stack
+    assert stack is not None and len(stack.layers) == default_int4.config.num_layers
+    assert stack.runs(1) and stack.runs(8) and not stack.runs(9) and not stack.runs(0)
+    check_same_bits(default_int4, rows=3)
+
+
+def test_a_new_weight_is_read_not_the_one_first_packed(default_int4):
+    """A projection given a new weight after the stack ran rebuilds its kernel form; the stack must
+    follow it (on the same runner: both paths still agree, and the logits changed)."""
+    runner = ModelRunner(default_int4, num_kv_blocks=48, block_size=16)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(100, 40000, (30,), generator=g).tolist()]
+    forced = [torch.randint(100, 40000, (5,), generator=g).tolist()]
+    before, _ = decode_steps(runner, prompts, forced, default_int4.fused_stack)
+    down = default_int4.layers[3].mlp.down_proj
+    original = down.int4_weight
+    try:
+        down.set_weight(quantize_rtn(torch.randn(down.out_features, down.in_features) * 0.05, down.group_size))
+        after, _ = decode_steps(runner, prompts, forced, default_int4.fused_stack)
+        python_loop, _ = decode_steps(runner, prompts, forced, None)
+        assert torch.equal(after, python_loop) and not torch.equal(after, before)
+    finally:
+        down.set_weight(original)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_qk_norms_and_qkv_bias_go_through_the_stack(arch, tmp_path):
+    import transformers
+    torch.manual_seed(0)
+    common = dict(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False)
+    if arch == "qwen3":
+        reference = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=64, **common))
+    else:
+        reference = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "norm" in name or "bias" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+    reference.eval().save_pretrained(tmp_path / "model")
+    model = int4_model(str(tmp_path / "model"), tmp_path / "cache")
+    layer = model.fused_layers[0]
+    assert (layer.qk_norm is not None) if arch == "qwen3" else (layer.qkv_bias is not None)
+    check_same_bits(model, rows=4)
+
+
+def test_where_it_does_not_apply(default_model_path, monkeypatch, default_int4):
+    dense = load_model(default_model_path, dtype=torch.float32, cpu_math="bf16")
+    assert dense.fused_layers is not None and dense.fused_stack is None       # bf16 projections: torch's matmul
+    monkeypatch.setenv(fused_cpu_stack.ENV, "0")
+    assert fused_cpu_stack.build(default_int4) is None
