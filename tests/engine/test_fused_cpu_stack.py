@@ -1,6 +1,7 @@
 """A small step's whole stack of fused CPU layers in one C call (engine/models/fused_cpu_stack.py):
 the same logits, bit for bit, as the fused layers called one by one from Python, on the INT4
-default model (Llama) and on tiny INT4 Qwen3 (per-head q/k norms) and Qwen2 (q/k/v bias) models;
+default model (Llama) and on tiny INT4 Qwen3 (per-head q/k norms), Qwen2 (q/k/v bias), Gemma 2 and
+Gemma 3 models;
 steps above its row limit, other models and NIGHTSHIFT_CPU_FUSED_STACK=0 keep the Python loop."""
 from __future__ import annotations
 
@@ -125,6 +126,37 @@ def test_qk_norms_and_qkv_bias_go_through_the_stack(arch, tmp_path):
     model = int4_model(str(tmp_path / "model"), tmp_path / "cache")
     layer = model.fused_layers[0]
     assert (layer.qk_norm is not None) if arch == "qwen3" else (layer.qkv_bias is not None)
+    check_same_bits(model, rows=4)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_layers_go_through_the_stack(arch, tmp_path):
+    """Gemma's form (sandwich norms, GeGLU), its sliding windows shorter than the prompts,
+    alternating with global layers, Gemma 2's attention soft-capping, Gemma 3's q/k norms and local
+    RoPE table."""
+    import transformers
+    torch.manual_seed(0)
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, max_position_embeddings=512, sliding_window=12,
+                  query_pre_attn_scalar=24, rms_norm_eps=1e-6, attn_implementation="eager")
+    if arch == "gemma2":
+        reference = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+            **common, num_hidden_layers=4, attn_logit_softcapping=2.0, final_logit_softcapping=3.0))
+    else:
+        reference = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+            **common, num_hidden_layers=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+    reference.eval().save_pretrained(tmp_path / "model")
+    model = int4_model(str(tmp_path / "model"), tmp_path / "cache")
+    assert {layer.window for layer in model.fused_layers} == {12, None}
+    if arch == "gemma3":
+        assert model.fused_layers[0].qk_norm is not None and len(model.rotary) == 2
     check_same_bits(model, rows=4)
 
 

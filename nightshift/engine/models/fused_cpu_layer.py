@@ -27,7 +27,7 @@ per-head q/k RMSNorms or Qwen2's q/k/v bias; Gemma's layer; the mixture-of-exper
 models/fused_moe_cpu_layer.py), the C kernels built, and, per step,
 the CPU kernel attention backend (whose K/V store this replaces).
 Anything else keeps the torch layer. ``NIGHTSHIFT_CPU_FUSED_OPS=0`` turns it off. A small step of
-an INT4 model whose layers are all the plain form runs them all in one C call instead
+an INT4 model whose layers are all the plain form or all Gemma's runs them in one C call instead
 (models/fused_cpu_stack.py: the same kernels, the same bits, without the Python between them).
 """
 from __future__ import annotations

@@ -10,7 +10,8 @@ layers (``run_stack`` below calls the other libraries' kernels through their add
 computes the same bits with one call from Python instead of ~330.
 
 It runs a step where every layer is the plain ``FusedCpuLayer`` (Llama, Qwen2's bias, Qwen3's q/k
-norms: everything ``rope_store`` takes), every projection an INT4 layer whose small steps run our
+norms: everything ``rope_store`` takes) or Gemma 2/3's ``FusedGemmaCpuLayer`` (its sandwich norms,
+GeGLU, windows and soft-capping), every projection an INT4 layer whose small steps run our
 W4 x bfloat16 kernel (``Int4Linear.small_step_weight``: a CPU with AVX-512 BF16), and the step has
 at most as many rows as those layers' small steps (``cpu_int4_max_rows``, 8 by default); every
 other step, and every other model, runs the layers from Python as before.
@@ -26,11 +27,12 @@ import torch
 
 from nightshift.engine.kernels import cpu_fused_ops, cpu_paged_attention
 from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
-from nightshift.engine.models.fused_cpu_layer import FusedCpuLayer
+from nightshift.engine.models.fused_cpu_layer import FusedCpuLayer, FusedGemmaCpuLayer
 from nightshift.engine.quant import cpu_w4_bf16
 from nightshift.engine.quant.int4_linear import Int4Linear
 
 ENV = "NIGHTSHIFT_CPU_FUSED_STACK"
+FORMS = (FusedCpuLayer, FusedGemmaCpuLayer)      # the layer forms run_stack runs (not the experts' one)
 
 SOURCE = r"""
 #include <stdint.h>
@@ -50,9 +52,12 @@ typedef void (*gemm_fn)(const uint16_t *, int64_t, int64_t, int64_t, const void 
 struct kernels { void *norm, *act, *rope, *attn, *gemm; };
 struct proj { const void *packed, *scales_mins; int64_t n, k, g; };
 struct layer {
-    const float *in_norm, *post_norm, *qkv_bias, *q_norm, *k_norm;
-    float eps, post_eps, qk_eps, clip, scale, softcap;
-    int64_t qk_whole, window, rope;                    /* rope: which of the step's tables */
+    /* mid_norm: the norm before the MLP (Llama's post-attention norm, Gemma's pre-feedforward one);
+       attn_delta_w / ff_delta_w: Gemma's post-attention / post-feedforward norms of the sublayers'
+       results (NULL: Llama's plain residual adds); gelu: GeGLU (Gemma) or SiLU */
+    const float *in_norm, *mid_norm, *attn_delta_w, *ff_delta_w, *qkv_bias, *q_norm, *k_norm;
+    float eps, mid_eps, qk_eps, clip, scale, softcap;
+    int64_t qk_whole, window, rope, gelu;              /* rope: which of the step's tables */
     struct proj qkv, o, gate_up, down;
     void *k_cache, *v_cache;
 };
@@ -74,7 +79,7 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 /* x [rows, hidden] float32, the residual stream, through every layer in place: per layer what
-   FusedCpuLayer.__call__ does, call for call */
+   FusedCpuLayer.__call__ (or FusedGemmaCpuLayer.__call__) does, call for call */
 void run_stack(const struct kernels *k, const struct shape *s, const struct layer *layers, int64_t count,
                float *x, const struct step *st) {
     const norm_fn norm = (norm_fn)k->norm; const act_fn act = (act_fn)k->act; const rope_fn rope = (rope_fn)k->rope;
@@ -90,11 +95,12 @@ void run_stack(const struct kernels *k, const struct shape *s, const struct laye
              s->block_size, L->scale, L->window, L->softcap);
         for (int64_t j = 0; j < T * H * D; j++) st->att16[j] = f32_to_bf16(st->att[j]);
         gemm(st->att16, T, H * D, L->o.g, L->o.packed, L->o.scales_mins, st->o, L->o.n);
-        norm(x, st->o, 0, L->post_norm, st->h, T, hidden, L->post_eps);
+        norm(x, st->o, L->attn_delta_w, L->mid_norm, st->h, T, hidden, L->mid_eps);
         gemm(st->h, T, hidden, L->gate_up.g, L->gate_up.packed, L->gate_up.scales_mins, st->gate_up, L->gate_up.n);
-        act(st->gate_up, st->act, T, s->inter, 0);
+        act(st->gate_up, st->act, T, s->inter, L->gelu);
         gemm(st->act, T, s->inter, L->down.g, L->down.packed, L->down.scales_mins, st->down, L->down.n);
-        for (int64_t j = 0; j < T * hidden; j++) x[j] += bf16_to_f32(st->down[j]);
+        if (L->ff_delta_w) norm(x, st->down, L->ff_delta_w, 0, 0, T, hidden, L->eps);
+        else for (int64_t j = 0; j < T * hidden; j++) x[j] += bf16_to_f32(st->down[j]);
     }
 }
 """
@@ -111,9 +117,10 @@ class _Proj(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("in_norm", _P), ("post_norm", _P), ("qkv_bias", _P), ("q_norm", _P), ("k_norm", _P),
-                ("eps", _F), ("post_eps", _F), ("qk_eps", _F), ("clip", _F), ("scale", _F), ("softcap", _F),
-                ("qk_whole", _I), ("window", _I), ("rope", _I),
+    _fields_ = [("in_norm", _P), ("mid_norm", _P), ("attn_delta_w", _P), ("ff_delta_w", _P), ("qkv_bias", _P),
+                ("q_norm", _P), ("k_norm", _P),
+                ("eps", _F), ("mid_eps", _F), ("qk_eps", _F), ("clip", _F), ("scale", _F), ("softcap", _F),
+                ("qk_whole", _I), ("window", _I), ("rope", _I), ("gelu", _I),
                 ("qkv", _Proj), ("o", _Proj), ("gate_up", _Proj), ("down", _Proj),
                 ("k_cache", _P), ("v_cache", _P)]
 
@@ -154,12 +161,12 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 
 class FusedCpuStack:
-    """The model's fused layers (``FusedCpuLayer`` each) run by ``run_stack``; ``runs`` says whether
+    """The model's fused layers (each a ``FusedCpuLayer`` or a ``FusedGemmaCpuLayer``) run by ``run_stack``; ``runs`` says whether
     a step of that many rows goes through it, ``__call__`` runs it (the residual stream updated in
     place and returned). The weights' kernel forms are read when first needed and again whenever a
     layer has rebuilt them (a move or cast of the model, a new weight)."""
 
-    def __init__(self, model, layers: list[FusedCpuLayer]):
+    def __init__(self, model, layers: list):
         config = model.config
         self.model, self.layers = model, layers
         self.projections: list[Int4Linear] = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up,
@@ -198,9 +205,14 @@ class FusedCpuStack:
         table = (_Layer * len(self.layers))()
         for entry, layer, (k, v), rope in zip(table, self.layers, kv_caches, self.model.layer_rope):
             q_norm, k_norm, qk_eps = layer.qk_norm if layer.qk_norm is not None else (None, None, 0.0)
-            entry.in_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            entry.in_norm, entry.eps = layer.input_norm.data_ptr(), layer.eps
+            if type(layer) is FusedGemmaCpuLayer:
+                entry.mid_norm, entry.mid_eps, entry.gelu = layer.pre_ff_norm.data_ptr(), layer.eps, 1
+                entry.attn_delta_w, entry.ff_delta_w = layer.post_attn_norm.data_ptr(), layer.post_ff_norm.data_ptr()
+            else:
+                entry.mid_norm, entry.mid_eps = layer.post_norm.data_ptr(), layer.post_eps
             entry.qkv_bias, entry.q_norm, entry.k_norm = _ptr(layer.qkv_bias), _ptr(q_norm), _ptr(k_norm)
-            entry.eps, entry.post_eps, entry.qk_eps = layer.eps, layer.post_eps, qk_eps
+            entry.qk_eps = qk_eps
             entry.clip, entry.scale, entry.softcap = layer.clip or 0.0, layer.scale, layer.softcap or 0.0
             entry.qk_whole = int(q_norm is not None and q_norm.shape != (self.shape.head_dim,))
             entry.window, entry.rope = layer.window or 0, self.rope_names.index(rope)
@@ -254,7 +266,7 @@ def build(model) -> Optional[FusedCpuStack]:
     docstring): a layer of another form, a projection whose small steps another kernel runs, a
     library that does not build, or NIGHTSHIFT_CPU_FUSED_STACK=0."""
     layers = model.fused_layers
-    if os.environ.get(ENV, "1") == "0" or not layers or any(type(layer) is not FusedCpuLayer for layer in layers):
+    if os.environ.get(ENV, "1") == "0" or not layers or any(type(layer) not in FORMS for layer in layers):
         return None
     for layer in layers:
         for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
