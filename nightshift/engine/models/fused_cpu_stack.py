@@ -161,10 +161,11 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 
 class FusedCpuStack:
-    """The model's fused layers (each a ``FusedCpuLayer`` or a ``FusedGemmaCpuLayer``) run by ``run_stack``; ``runs`` says whether
-    a step of that many rows goes through it, ``__call__`` runs it (the residual stream updated in
-    place and returned). The weights' kernel forms are read when first needed and again whenever a
-    layer has rebuilt them (a move or cast of the model, a new weight)."""
+    """The model's fused layers (each a ``FusedCpuLayer`` or a ``FusedGemmaCpuLayer``) run by
+    ``run_stack``; ``runs`` says whether a step of that many rows goes through it, ``__call__`` runs
+    it (the residual stream updated in place and returned). The weights' kernel forms are read when
+    first needed and again whenever a layer has rebuilt them (a move or cast of the model, a new
+    weight)."""
 
     def __init__(self, model, layers: list):
         config = model.config
