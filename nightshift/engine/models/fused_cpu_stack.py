@@ -174,12 +174,13 @@ class FusedCpuStack:
                                                                             layer.down)]
         self.max_rows = min(p.cpu_int4_max_rows for p in self.projections)
         self.rope_names = sorted(set(model.layer_rope))
-        self.shape = _Shape(config.num_heads, config.num_kv_heads, config.head_dim, 0, config.hidden_size,
+        rotary = model.rotary[self.rope_names[0]].cos.shape[-1]          # RoPE dims per head (partial rotary)
+        self.shape = _Shape(config.num_heads, config.num_kv_heads, config.head_dim, rotary, config.hidden_size,
                             config.intermediate_size, 0, 0)
         self._kernels: Optional[_Kernels] = None
         self._weights: list = []
         self._table: Optional[ctypes.Array] = None
-        self._pool: Optional[list] = None
+        self._pool: Optional[list] = None          # the runner's kv_caches the table points into
         self._buffers: dict[str, torch.Tensor] = {}
 
     def runs(self, rows: int) -> bool:
@@ -220,10 +221,10 @@ class FusedCpuStack:
             entry.qkv, entry.o = self._projection(layer.qkv), self._projection(layer.o)
             entry.gate_up, entry.down = self._projection(layer.gate_up), self._projection(layer.down)
             entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
-        self._table, self._pool = table, [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches]
+        self._table, self._pool = table, kv_caches
 
     def _stale(self, kv_caches: list) -> bool:
-        if self._table is None or [(k.data_ptr(), v.data_ptr()) for k, v in kv_caches] != self._pool:
+        if self._table is None or kv_caches is not self._pool:      # held, so never another list at its id
             return True
         return any(p.small_step_weight() is not w for p, w in zip(self.projections, self._weights))
 
@@ -240,7 +241,6 @@ class FusedCpuStack:
         if self._stale(kv_caches):
             self._build(kv_caches)
         rows, s = x.shape[0], self.shape
-        s.rotary = rope[self.rope_names[0]][0].shape[-1]
         q_size, qkv_size = s.heads * s.head_dim, (s.heads + 2 * s.kv_heads) * s.head_dim
         tables = [(rope[name][0].reshape(rows, s.rotary).contiguous(),
                    rope[name][1].reshape(rows, s.rotary).contiguous()) for name in self.rope_names]
