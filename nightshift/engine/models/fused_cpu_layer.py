@@ -91,10 +91,12 @@ class _FusedLayer:
         self.window, self.softcap = attn.window, attn.softcap
 
     @classmethod
-    def from_layer(cls, layer):
+    def from_layer(cls, layer, weight: Callable = bf16_weight):
+        """`weight(module, bias_allowed)`: what computes a projection (``bf16_weight``; the small-step
+        stack passes its own, models/fused_cpu_stack.py), None where nothing can."""
         attn, mlp = layer.self_attn, layer.mlp
-        weights = (bf16_weight(attn.qkv_proj, cls.qkv_bias_allowed), bf16_weight(attn.o_proj, False),
-                   bf16_weight(mlp.gate_up_proj, False), bf16_weight(mlp.down_proj, False))
+        weights = (weight(attn.qkv_proj, cls.qkv_bias_allowed), weight(attn.o_proj, False),
+                   weight(mlp.gate_up_proj, False), weight(mlp.down_proj, False))
         return None if any(w is None for w in weights) else cls(layer, *weights)
 
     def attend(self, h, cos, sin, kv_cache, attention, meta) -> torch.Tensor:
@@ -155,19 +157,20 @@ class FusedGemmaCpuLayer(_FusedLayer):
         return x
 
 
-def _fused(layer, form: Callable[[object], Optional[type]]):
+def _fused(layer, form: Callable[[object], Optional[type]], weight: Callable):
     kind = form(layer)
-    return None if kind is None else kind.from_layer(layer)
+    return None if kind is None else kind.from_layer(layer, weight)
 
 
-def build(model, form: Callable[[object], Optional[type]]) -> Optional[list]:
+def build(model, form: Callable[[object], Optional[type]], weight: Callable = bf16_weight) -> Optional[list]:
     """Every layer of `model` in fused form, or None where one does not fit (or the kernels do
     not build, or NIGHTSHIFT_CPU_FUSED_OPS=0): the model then runs its torch layers. `form` gives a
     layer's fused class (FusedCpuLayer, FusedGemmaCpuLayer, models/fused_moe_cpu_layer.py's
-    FusedMoeCpuLayer) or None: the model's own judgement (LlamaForCausalLM.fused_cpu_form)."""
+    FusedMoeCpuLayer) or None: the model's own judgement (LlamaForCausalLM.fused_cpu_form);
+    `weight` what computes each projection (``bf16_weight``: bfloat16 in and out for every step)."""
     if os.environ.get(ENV, "1") == "0" or model.dtype != torch.float32 or model.embed_tokens.device.type != "cpu":
         return None
-    layers = [_fused(layer, form) for layer in model.layers]
+    layers = [_fused(layer, form, weight) for layer in model.layers]
     if not layers or any(layer is None for layer in layers) or cpu_fused_ops.load() is None:
         return None
     return layers

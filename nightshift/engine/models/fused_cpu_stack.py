@@ -12,10 +12,17 @@ computes the same bits with one call from Python instead of ~330.
 It runs a step where every layer is the plain ``FusedCpuLayer`` (Llama, Qwen2's bias, Qwen3's q/k
 norms: everything ``rope_store`` takes) or Gemma 2/3's ``FusedGemmaCpuLayer`` (its sandwich norms,
 GeGLU, windows and soft-capping), every projection an INT4 layer whose small steps run our
-W4 x bfloat16 kernel (``Int4Linear.small_step_weight``: a CPU with AVX-512 BF16), and the step has
-at most as many rows as those layers' small steps (``cpu_int4_max_rows``, 8 by default); every
-other step, and every other model, runs the layers from Python as before.
+W4 x bfloat16 kernel (``Int4Linear.small_step_weight``: a CPU with AVX-512 BF16 or AVX2), and the
+step has at most as many rows as those layers' small steps (``cpu_int4_max_rows``, 8 by default);
+every other step, and every other model, runs the layers from Python as before.
 ``NIGHTSHIFT_CPU_FUSED_STACK=0`` turns it off.
+
+Under the bf16 CPU math the stack runs the model's own fused layers (a bfloat16 K/V pool). Under the
+float32 math (every AVX2 CPU) the model runs its torch layers over a float32 pool, and the stack
+runs fused forms of them that only it uses (``build``): their small steps already rounded each
+projection's input and output to bfloat16 for the 4-bit kernel, so the stack computes the same
+values up to float32 summation order, over the same float32 pool (rope_store and the attention
+kernel read and write float32 there).
 """
 from __future__ import annotations
 
@@ -27,6 +34,7 @@ import torch
 
 from nightshift.engine.kernels import cpu_fused_ops, cpu_paged_attention
 from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
+from nightshift.engine.models import fused_cpu_layer
 from nightshift.engine.models.fused_cpu_layer import FusedCpuLayer, FusedGemmaCpuLayer
 from nightshift.engine.quant import cpu_w4_bf16
 from nightshift.engine.quant.int4_linear import Int4Linear
@@ -172,7 +180,6 @@ class FusedCpuStack:
         self.model, self.layers = model, layers
         self.projections: list[Int4Linear] = [p for layer in layers for p in (layer.qkv, layer.o, layer.gate_up,
                                                                             layer.down)]
-        self.max_rows = min(p.cpu_int4_max_rows for p in self.projections)
         self.rope_names = sorted(set(model.layer_rope))
         rotary = model.rotary[self.rope_names[0]].cos.shape[-1]          # RoPE dims per head (partial rotary)
         self.shape = _Shape(config.num_heads, config.num_kv_heads, config.head_dim, rotary, config.hidden_size,
@@ -184,7 +191,9 @@ class FusedCpuStack:
         self._buffers: dict[str, torch.Tensor] = {}
 
     def runs(self, rows: int) -> bool:
-        return 0 < rows <= self.max_rows
+        """Whether a step of `rows` rows goes through the stack: as many as the layers' small steps
+        take (read each step, as the layers read their own bound on each call)."""
+        return 0 < rows <= min(p.cpu_int4_max_rows for p in self.projections)
 
     def _projection(self, module: Int4Linear):
         weight = module.small_step_weight()
@@ -228,11 +237,11 @@ class FusedCpuStack:
             return True
         return any(p.small_step_weight() is not w for p, w in zip(self.projections, self._weights))
 
-    def _buffer(self, name: str, width: int, dtype: torch.dtype) -> int:
-        """A scratch buffer of `max_rows` x `width`, kept between steps (the stack returns none of them)."""
+    def _buffer(self, name: str, size: int, dtype: torch.dtype) -> int:
+        """A scratch buffer of at least `size` elements, kept between steps (the stack returns none of them)."""
         buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < self.max_rows * width:
-            buffer = self._buffers[name] = torch.empty(self.max_rows * width, dtype=dtype)
+        if buffer is None or buffer.numel() < size:
+            buffer = self._buffers[name] = torch.empty(size, dtype=dtype)
         return buffer.data_ptr()
 
     def __call__(self, x: torch.Tensor, rope: dict, kv_caches: list, meta) -> torch.Tensor:
@@ -251,27 +260,45 @@ class FusedCpuStack:
                                               meta.rows.context_lens.data_ptr())
         step.width, step.rows = meta.rows.block_tables.shape[1], rows
         bf16, f32 = torch.bfloat16, torch.float32
-        step.h, step.qkv = self._buffer("h", s.hidden, bf16), self._buffer("qkv", qkv_size, bf16)
-        step.att16, step.o = self._buffer("att16", q_size, bf16), self._buffer("o", s.hidden, bf16)
-        step.gate_up, step.act = (self._buffer("gate_up", 2 * s.inter, bf16),
-                                  self._buffer("act", s.inter, bf16))
-        step.down = self._buffer("down", s.hidden, bf16)
-        step.q, step.att = self._buffer("q", q_size, f32), self._buffer("att", q_size, f32)
+        step.h, step.qkv = self._buffer("h", rows * s.hidden, bf16), self._buffer("qkv", rows * qkv_size, bf16)
+        step.att16, step.o = self._buffer("att16", rows * q_size, bf16), self._buffer("o", rows * s.hidden, bf16)
+        step.gate_up, step.act = (self._buffer("gate_up", rows * 2 * s.inter, bf16),
+                                  self._buffer("act", rows * s.inter, bf16))
+        step.down = self._buffer("down", rows * s.hidden, bf16)
+        step.q, step.att = self._buffer("q", rows * q_size, f32), self._buffer("att", rows * q_size, f32)
         load().run_stack(ctypes.addressof(self._kernels), ctypes.addressof(self.shape),
                          ctypes.addressof(self._table), len(self.layers), x.data_ptr(), ctypes.addressof(step))
         return x
 
 
+def small_step_projection(module, bias_allowed: bool):
+    """The projection itself where ``run_stack`` can compute it (an INT4 layer whose small steps run
+    our W4 x bfloat16 kernel, with a bias only where the layer form takes one), else None: the
+    ``weight`` the stack's own fused layers are built with (fused_cpu_layer.build)."""
+    if type(module) is not Int4Linear or not module.small_steps_on_w4_bf16():
+        return None
+    return module if module.bias is None or bias_allowed else None
+
+
 def build(model) -> Optional[FusedCpuStack]:
-    """The stack for `model`'s fused CPU layers, or None where it does not apply (the module
-    docstring): a layer of another form, a projection whose small steps another kernel runs, a
-    library that does not build, or NIGHTSHIFT_CPU_FUSED_STACK=0."""
+    """The stack for `model`, or None where it does not apply (the module docstring): a layer of
+    another form, a projection whose small steps another kernel runs, a library that does not build,
+    or NIGHTSHIFT_CPU_FUSED_STACK=0. Its layers are the model's fused layers where it runs them for
+    every step; else (the float32 CPU math) fused forms of its torch layers that only the stack runs,
+    over the model's float32 K/V pool."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
     layers = model.fused_layers
-    if os.environ.get(ENV, "1") == "0" or not layers or any(type(layer) not in FORMS for layer in layers):
+    if layers is None:
+        def form(layer):
+            kind = model.fused_cpu_form(layer)
+            return kind if kind in FORMS else None
+        layers = fused_cpu_layer.build(model, form, small_step_projection)
+    if not layers or any(type(layer) not in FORMS for layer in layers):
         return None
     for layer in layers:
         for projection in (layer.qkv, layer.o, layer.gate_up, layer.down):
-            if type(projection) is not Int4Linear or not projection.small_steps_on_w4_bf16():
+            if small_step_projection(projection, True) is None:
                 return None
     if load() is None or cpu_fused_ops.load() is None:
         return None

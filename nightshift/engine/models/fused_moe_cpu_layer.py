@@ -19,7 +19,7 @@ from the updated residual stream).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,8 @@ from nightshift.engine.kernels import cpu_fused_ops
 from nightshift.engine.models.fused_cpu_layer import FusedCpuLayer, bf16_weight
 
 
-def _expert_weights(expert) -> Optional[tuple]:
-    pair = (bf16_weight(expert.gate_up_proj, False), bf16_weight(expert.down_proj, False))
+def _expert_weights(expert, weight: Callable) -> Optional[tuple]:
+    pair = (weight(expert.gate_up_proj, False), weight(expert.down_proj, False))
     return None if None in pair else pair
 
 
@@ -50,11 +50,11 @@ class FusedMoeCpuLayer(FusedCpuLayer):
         self.experts, self.shared = experts, shared
 
     @classmethod
-    def from_layer(cls, layer):
+    def from_layer(cls, layer, weight: Callable = bf16_weight):
         attn, block = layer.self_attn, layer.mlp
-        qkv, o = bf16_weight(attn.qkv_proj, True), bf16_weight(attn.o_proj, False)
-        experts = [_expert_weights(e) for e in block.experts]
-        shared = None if block.shared_expert is None else _expert_weights(block.shared_expert)
+        qkv, o = weight(attn.qkv_proj, True), weight(attn.o_proj, False)
+        experts = [_expert_weights(e, weight) for e in block.experts]
+        shared = None if block.shared_expert is None else _expert_weights(block.shared_expert, weight)
         if qkv is None or o is None or None in experts or (block.shared_expert is not None and shared is None):
             return None
         return cls(layer, qkv, o, experts, shared)

@@ -275,9 +275,10 @@ class LlamaForCausalLM(nn.Module):
         # math, or INT4 on the W4A8 kernel) and the layer shape allows
         # (models/fused_cpu_layer.py); None: the torch layers always
         self.fused_layers = fused_cpu_layer.build(self, self.fused_cpu_form)
-        # a small step (batch-1 decode) of an INT4 model through those layers in one C call
+        # a small step (batch-1 decode) of an INT4 model through those layers (under the float32
+        # CPU math, fused forms of the torch layers that only it runs) in one C call
         # (models/fused_cpu_stack.py); None: the layers one by one from Python
-        self.fused_stack = fused_cpu_stack.build(self) if self.fused_layers is not None else None
+        self.fused_stack = fused_cpu_stack.build(self)
         # on CUDA, the same layers with their small ops as Triton kernels (models/fused_gpu_layer.py)
         self.fused_gpu_layers = fused_gpu_layer.build(self, plain_layer)
 
@@ -311,10 +312,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         rope = {name: table(positions, self.dtype) for name, table in self.rotary.items()}
         layers = self.layers
-        if self.fused_layers is not None and attention.name == fused_cpu_layer.BACKEND:
+        on_cpu_kernels = attention.name == fused_cpu_layer.BACKEND
+        if on_cpu_kernels and self.fused_stack is not None and self.fused_stack.runs(x.shape[0]):
+            x, layers = self.fused_stack(x, rope, kv_caches, meta), ()      # every layer in one C call
+        elif on_cpu_kernels and self.fused_layers is not None:
             layers = self.fused_layers
-            if self.fused_stack is not None and self.fused_stack.runs(x.shape[0]):
-                x, layers = self.fused_stack(x, rope, kv_caches, meta), ()      # every layer in one C call
         elif self.fused_gpu_layers is not None and attention.name == fused_gpu_layer.BACKEND:
             layers = self.fused_gpu_layers
         for layer, kv_cache, which in zip(layers, kv_caches, self.layer_rope):

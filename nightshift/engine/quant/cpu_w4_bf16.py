@@ -26,8 +26,21 @@ On that Zen 4, ``python -m bench.quant_kernels --threads 2`` ("w4 bf16"), ms per
 6.5 / 12.9; one call over 66 MB of weights streams them at 34 GB/s (ad hoc), so a step of many
 small calls is bound by their overhead, not the arithmetic.
 
-Needs AVX-512 BF16 and BW (``available``: Zen 4/5, Sapphire Rapids and later); elsewhere the INT4
-layer keeps torch's kernel (quant/int4_linear.py).
+The AVX2 form (CPUs with AVX2, FMA and F16C but not AVX-512 BF16: Zen 2/3, Haswell to Ice Lake)
+reads the same packed layout with integer dot products: each row's activations are made int16 per
+group with a power-of-two scale (the group's largest magnitude to 2^14..2^15, so every bfloat16
+value within 2^7 of it is an exact integer and a smaller one is off by at most 2^-16 of that
+largest: far below the bfloat16 rounding the activations already had), the 4-bit values meet them in
+``vpmaddwd`` (exact int32 sums, exactly float32 at the group's end), and per group one float
+multiply-add by scale x 2^e and one by the min. Widening the 4-bit values to float instead (an AND
+and a convert per weight) made the kernel compute-bound on a Zen 3 core; this form reads the weights
+at memory speed. On a 2-core AMD EPYC Zen 3 (AVX2 only; 2026-11-27) the 30 layers' projections at
+M = 1 / 2 / 4 / 8 rows: 4.9-5.4 / 6.6 / 11.2 / 13.5 ms per step against tinygemm's 11.4 / 14.3 /
+20.2 / 26.8 (ad hoc, then ``python -m bench.quant_kernels --threads 2``); one large call streams
+the weights at ~20 GB/s, what the machine reads with two threads.
+
+Needs AVX-512 BF16 and BW, or AVX2 with FMA and F16C (``available``); elsewhere the INT4 layer
+keeps torch's kernel (quant/int4_linear.py).
 """
 from __future__ import annotations
 
@@ -43,10 +56,12 @@ from nightshift.engine.quant.format import Int4Weight, unpack_int4
 
 SOURCE = r"""
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 /* M rows (1..8) x one group of 16 outputs: pk the group's packed weights (K/4 chunks of 32 bytes),
    sm its scales and mins (K/G lines of 16 + 16 float16), x the rows' bfloat16 pairs as 32-bit
    words, xs their group sums [M, K/G]; writes y[m, n0 .. n0 + count) as bfloat16 */
@@ -83,6 +98,70 @@ static inline __attribute__((always_inline)) void tile(const int M, const uint8_
         _mm256_mask_storeu_epi16(y + m * N + n0, keep, (__m256i)_mm512_cvtneps_pbh(out[m]));
 }
 
+#define ROWS 8                      /* rows a register tile holds */
+#define TILE_ARGS(r) r, pk, sm, xw + m0 * (K / 2), xs + m0 * ng, K, G, y + m0 * N, N, t * 16, count, lut
+#else
+/* AVX2 (+ FMA, F16C): integer dot products. Each row's activations are made int16 per group of G
+   channels with a power-of-two scale 2^e (the group's largest magnitude becomes 2^14..2^15: a
+   bfloat16 value within 2^7 of it is an integer there, so exact; a smaller one is off by at most
+   2^-16 of that largest), and the 4-bit values meet them in ``vpmaddwd`` (16-bit products summed in
+   pairs into int32: exact, and a group's sum fits 24 bits, so float32 holds it exactly). The same
+   packed layout, each 16 bytes of a chunk (8 outputs) widened to 16-bit words: a word's low nibble
+   and the next word's are output o's channels (k, k + 1), the high nibbles (k + 2, k + 3), in the
+   pairs ``vpmaddwd`` multiplies with (x[k], x[k + 1]) and (x[k + 2], x[k + 3]). Per group and output
+   one float multiply-add by scale * 2^e and one by min * the group's float32 activation sum.
+   x16: the rows' int16 pairs as 32-bit words [M, K/2]; xe: 2^e per row and group [M, K/G]. */
+#ifndef ROWS
+#define ROWS 2                      /* rows a register tile holds */
+#endif
+static inline __attribute__((always_inline)) void tile(const int M, const uint8_t *pk, const uint16_t *sm,
+        const uint32_t *x16, const float *xe, const float *xs, int64_t K, int64_t G, uint16_t *y, int64_t N,
+        int64_t n0, int64_t count) {
+    const int64_t ng = K / G, half = K / 2;
+    __m256 out[ROWS][2];
+    for (int m = 0; m < M; m++) out[m][0] = out[m][1] = _mm256_setzero_ps();
+    const __m256i nibble = _mm256_set1_epi16(15);
+    for (int64_t g = 0; g < ng; g++) {
+        __m256i acc[ROWS][2];
+        for (int m = 0; m < M; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+        for (int64_t c = 0; c < G / 4; c++) {
+            const int64_t p = (g * G + c * 4) / 2;            /* the pair (x[k], x[k + 1]) */
+            for (int h = 0; h < 2; h++) {
+                const __m256i t = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(pk + 16 * h)));
+                const __m256i a = _mm256_and_si256(t, nibble), b = _mm256_srli_epi16(t, 4);
+                for (int m = 0; m < M; m++) {
+                    acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(a, _mm256_set1_epi32((int)x16[m * half + p])));
+                    acc[m][h] = _mm256_add_epi32(acc[m][h], _mm256_madd_epi16(b, _mm256_set1_epi32((int)x16[m * half + p + 1])));
+                }
+            }
+            pk += 32;
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + 8 * h)));
+            const __m256 min = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sm + 16 + 8 * h)));
+            for (int m = 0; m < M; m++) {
+                const __m256 sum = _mm256_cvtepi32_ps(acc[m][h]);
+                out[m][h] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(xe[m * ng + g])), sum, out[m][h]);
+                out[m][h] = _mm256_fmadd_ps(min, _mm256_set1_ps(xs[m * ng + g]), out[m][h]);
+            }
+        }
+        sm += 32;
+    }
+    for (int m = 0; m < M; m++) {
+        float f[16];
+        _mm256_storeu_ps(f, out[m][0]);
+        _mm256_storeu_ps(f + 8, out[m][1]);
+        for (int64_t l = 0; l < count; l++) {     /* round to nearest even, NaN quiet: as torch's cast */
+            uint32_t u; memcpy(&u, f + l, 4);
+            y[m * N + n0 + l] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0
+                                                              : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+    }
+}
+
+#define TILE_ARGS(r) r, pk, sm, x16w + m0 * (K / 2), xe + m0 * ng, xs + m0 * ng, K, G, y + m0 * N, N, t * 16, count
+#endif
+
 /* y [M, N] bfloat16 = x [M, K] bfloat16 @ W.T, W packed as the module docstring says */
 void w4_bf16_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t G, const uint8_t *packed,
                   const uint16_t *scales_mins, uint16_t *y, int64_t N) {
@@ -96,32 +175,63 @@ void w4_bf16_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t G, const uint
             }
             xs[m * ng + g] = s;
         }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
     uint16_t table[32];
     for (int i = 0; i < 32; i++) { float f = (float)(i & 15); uint32_t u; memcpy(&u, &f, 4); table[i] = (uint16_t)(u >> 16); }
     const __m512i lut = _mm512_loadu_si512(table);
     const uint32_t *xw = (const uint32_t *)x;
+#else
+    int16_t *x16 = (int16_t *)malloc(sizeof(int16_t) * (M * K + 16));
+    float *xe = (float *)malloc(sizeof(float) * (M * ng + 1));
+    for (int64_t m = 0; m < M; m++)          /* int16 activations, a power-of-two scale per row and group */
+        for (int64_t g = 0; g < ng; g++) {
+            const uint16_t *xg = x + m * K + g * G;
+            uint16_t top = 0;                    /* the largest magnitude's bits (NaN above every number) */
+            for (int64_t k = 0; k < G; k++) top = (xg[k] & 0x7fffu) > top ? (xg[k] & 0x7fffu) : top;
+            int16_t *out = x16 + m * K + g * G;
+            if (top >= 0x7f80u) {                /* Inf or NaN: the group's results NaN */
+                xe[m * ng + g] = __builtin_nanf("");
+                memset(out, 0, sizeof(int16_t) * G);
+                continue;
+            }
+            const int e = top >> 7 ? (int)(top >> 7) - 126 : -125;     /* top < 2^e (frexp's e) */
+            xe[m * ng + g] = ldexpf(1.f, e - 15);
+            const int up = 15 - e;               /* x * 2^up in two exact steps (2^up may not fit a float) */
+            const __m256 f1 = _mm256_set1_ps(ldexpf(1.f, up / 2)), f2 = _mm256_set1_ps(ldexpf(1.f, up - up / 2));
+            for (int64_t k = 0; k < G; k += 8) {
+                const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(xg + k)));
+                const __m256 f = _mm256_mul_ps(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), f1), f2);
+                const __m256i i = _mm256_cvtps_epi32(f);                  /* round to nearest even */
+                _mm_storeu_si128((__m128i *)(out + k), _mm_packs_epi32(_mm256_castsi256_si128(i),
+                                                                       _mm256_extracti128_si256(i, 1)));
+            }
+        }
+    const uint32_t *x16w = (const uint32_t *)x16;
+#endif
     #pragma omp parallel for schedule(static) if (tiles > 4)
     for (int64_t t = 0; t < tiles; t++) {
         const uint8_t *pk = packed + t * (K / 4) * 32;
         const uint16_t *sm = scales_mins + t * ng * 32;
         const int64_t count = N - t * 16 < 16 ? N - t * 16 : 16;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            const int64_t rows = M - m0 < 8 ? M - m0 : 8;
-            const uint32_t *xm = xw + m0 * (K / 2);
-            const float *xsm = xs + m0 * ng;
-            uint16_t *ym = y + m0 * N;
-            switch (rows) {     /* a constant row count each: the tile's accumulators stay in registers */
-                case 1: tile(1, pk, sm, xm, xsm, K, G, ym, N, t * 16, count, lut); break;
-                case 2: tile(2, pk, sm, xm, xsm, K, G, ym, N, t * 16, count, lut); break;
-                case 3: tile(3, pk, sm, xm, xsm, K, G, ym, N, t * 16, count, lut); break;
-                case 4: tile(4, pk, sm, xm, xsm, K, G, ym, N, t * 16, count, lut); break;
-                case 5: tile(5, pk, sm, xm, xsm, K, G, ym, N, t * 16, count, lut); break;
-                case 6: tile(6, pk, sm, xm, xsm, K, G, ym, N, t * 16, count, lut); break;
-                case 7: tile(7, pk, sm, xm, xsm, K, G, ym, N, t * 16, count, lut); break;
-                default: tile(8, pk, sm, xm, xsm, K, G, ym, N, t * 16, count, lut); break;
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            switch (M - m0 < ROWS ? M - m0 : ROWS) {  /* a constant row count each: the tile stays in registers */
+                case 1: tile(TILE_ARGS(1)); break;
+#if ROWS > 2
+                case 3: tile(TILE_ARGS(3)); break;
+                case 4: tile(TILE_ARGS(4)); break;
+                case 5: tile(TILE_ARGS(5)); break;
+                case 6: tile(TILE_ARGS(6)); break;
+                case 7: tile(TILE_ARGS(7)); break;
+                case 8: tile(TILE_ARGS(8)); break;
+#endif
+                default: tile(TILE_ARGS(2)); break;
             }
         }
     }
+#if !(defined(__AVX512BF16__) && defined(__AVX512BW__))
+    free(x16);
+    free(xe);
+#endif
     free(xs);
 }
 """
@@ -132,13 +242,13 @@ _loaded = False
 
 
 def available() -> bool:
-    """Whether the CPU has AVX-512 BF16 and BW and the kernel builds here."""
+    """Whether the CPU has AVX-512 BF16 and BW, or AVX2 with FMA and F16C, and the kernel builds here."""
     return load() is not None
 
 
 def load() -> Optional[ctypes.CDLL]:
-    """The kernel's library, built on first use; None where the CPU lacks AVX-512 BF16 / BW or it
-    cannot be built."""
+    """The kernel's library, built on first use (its AVX-512 BF16 form where the CPU has it, else its
+    AVX2 form); None where the CPU has neither or it cannot be built."""
     global _lib, _loaded
     if _loaded:                 # every small step asks: no lock once built
         return _lib
@@ -146,7 +256,7 @@ def load() -> Optional[ctypes.CDLL]:
         if not _loaded:
             flags = cpu_flags()
             lib = None
-            if {"avx512f", "avx512bw", "avx512_bf16"} <= flags:
+            if {"avx512f", "avx512bw", "avx512_bf16"} <= flags or {"avx2", "fma", "f16c"} <= flags:
                 lib = load_library("w4_bf16", SOURCE, OPTIMIZE)
             if lib is not None:
                 lib.w4_bf16_gemm.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + \

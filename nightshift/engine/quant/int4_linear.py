@@ -9,8 +9,9 @@ What runs, chosen per call by ``Int4Linear.kernel_for`` (engine/quant/README.md 
   int8 activations; no dense copy of the weight is kept.
 * CPU (``cpu_kernel="dense"``), steps of at most ``cpu_int4_max_rows`` rows: a kernel that reads
   the 4-bit weight, with bfloat16 activations (the result cast back): ours
-  (engine/quant/cpu_w4_bf16.py, AVX-512 BF16's ``vdpbf16ps`` on the exact 4-bit values) where the
-  CPU has AVX-512 BF16, else torch's int4 CPU kernel (tinygemm; its float32 mode is ~6x slower).
+  (engine/quant/cpu_w4_bf16.py: AVX-512 BF16's ``vdpbf16ps`` on the exact 4-bit values, or on AVX2
+  ``vpmaddwd`` against int16 activations) where the CPU has either, else torch's int4 CPU kernel
+  (tinygemm; its float32 mode is ~6x slower).
 * CPU (``dense``), larger steps: a dense matmul with the dequantized weight in the activation dtype
   (float32 for bfloat16 activations on CPUs without native bf16), kept after first use when
   ``cache_dense_weight`` (else dequantized per call); a kept float32 weight is held for the
@@ -100,7 +101,7 @@ class Int4Linear(nn.Module):
     def kernel_for(self, x2d: torch.Tensor) -> str:
         """The matmul this call runs, by device, CPU kernel and step rows (the module docstring says
         why): "triton" on CUDA, "w4a8" on CPU with that kernel, else for CPU steps of at most
-        cpu_int4_max_rows rows "w4-bf16" (ours, where the CPU has AVX-512 BF16) or "tinygemm", and
+        cpu_int4_max_rows rows "w4-bf16" (ours, where the CPU has AVX-512 BF16 or AVX2) or "tinygemm", and
         "dense" above."""
         if x2d.is_cuda:
             return "triton"
@@ -163,15 +164,15 @@ class Int4Linear(nn.Module):
         return self._w4a8
 
     def _small_step(self, x2d: torch.Tensor) -> torch.Tensor:
-        """bfloat16 rows -> bfloat16: our kernel where the CPU has AVX-512 BF16, else torch's."""
+        """bfloat16 rows -> bfloat16: our kernel where the CPU has AVX-512 BF16 or AVX2, else torch's."""
         if cpu_w4_bf16.available():
             return self.small_step_weight().linear(x2d)
         return self._tinygemm(x2d)
 
     def small_steps_on_w4_bf16(self) -> bool:
-        """Whether ``linear_bf16`` runs this layer's small steps on our W4 x bfloat16 kernel: a CPU
-        layer on the dense kernel with no AWQ input scale, and a CPU with AVX-512 BF16
-        (models/fused_cpu_stack.py calls that kernel itself then)."""
+        """Whether this layer's small steps run on our W4 x bfloat16 kernel: a CPU layer on the dense
+        kernel with no AWQ input scale, and a CPU with AVX-512 BF16 or AVX2 (models/fused_cpu_stack.py
+        calls that kernel itself then)."""
         return (self.qweight.device.type == "cpu" and self.cpu_kernel == "dense" and self.input_scale is None
                 and cpu_w4_bf16.available())
 

@@ -102,13 +102,17 @@ def test_quantized_checkpoint_is_cached(int4_model, monkeypatch):
 
 
 def test_engine_defaults_to_int4_and_matches_full_precision_greedy(fp32_model, monkeypatch):
+    from bench.greedy_check import NEAR_TIE, compare
     from nightshift.engine.engine import Engine
     from nightshift.engine.tokenizer import load_tokenizer
     from nightshift.engine.types import GenerationRequest, SamplingParams
 
-    # the imported GGUF blocks are the full-precision weights: on the float32 CPU math (that of
-    # fp32_model) greedy tokens are equal; another math rounds both differently (the first
-    # question's first token is a 0.08-logit near-tie, which bf16 flips as HF's bf16 might)
+    # the imported GGUF blocks are the full-precision weights and the float32 CPU math (that of
+    # fp32_model) runs the prefill; the decode steps run the small-step INT4 kernel on bfloat16
+    # activations, so greedy tokens follow bench.greedy_check's rule at bfloat16's near-tie margin:
+    # equal, or diverging only at or after a position where the full-precision top-2 logits are
+    # that close (the second question's sixth token is a 0.036 near-tie, which kernels' roundings
+    # resolve either way)
     monkeypatch.setenv("NIGHTSHIFT_CPU_MATH", "float32")
     monkeypatch.setenv("NIGHTSHIFT_CPU_INT4", "dense")      # the INT4 layers' dequantized weights
     tokenizer = load_tokenizer("default")
@@ -117,8 +121,15 @@ def test_engine_defaults_to_int4_and_matches_full_precision_greedy(fp32_model, m
     fp_engine = Engine.from_model(fp32_model, tokenizer, "fp", max_num_seqs=4)
     questions = ["What is the capital of France?", "Name three primary colors."]
     requests = [GenerationRequest(f"r{i}", tokenizer.apply_chat_template([{"role": "user", "content": q}]),
-                                  SamplingParams(max_tokens=12, temperature=0)) for i, q in enumerate(questions)]
+                                  SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=True,
+                                                 top_logprobs=2)) for i, q in enumerate(questions)]
     int4_out = {o.request_id: o.token_ids for o in engine.generate(requests)}
-    fp_out = {o.request_id: o.token_ids for o in fp_engine.generate(requests)}
-    assert int4_out == fp_out
+    fp_out = {o.request_id: o.choices[0] for o in fp_engine.generate(requests)}
+    results = []
+    for i, request in enumerate(requests):
+        reference = fp_out[request.request_id]
+        top2 = torch.tensor([[lp for _, lp in top] for top in reference.top_logprobs])   # logit gaps = logprob gaps
+        results.append(compare(i, int4_out[request.request_id], reference.token_ids, top2, NEAR_TIE[torch.bfloat16]))
+    assert all(r.ok for r in results), results
+    assert results[0].equal                                  # no near-tie in the first answer
     assert all(len(t) > 0 for t in int4_out.values())
