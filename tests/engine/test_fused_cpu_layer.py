@@ -121,7 +121,10 @@ def test_an_int4_model_runs_the_fused_layers_too(default_model_path, fp32_model,
     schedule). On the W4A8 kernel a bfloat16 rounding of a projection's input moves some int8
     activations by a step, which random tokens amplify (KL ~0.06 between the two forms), so there
     both forms run chat prompts and are judged against the float32 model: the fused one drifts about
-    as much as the torch layers on the same kernel (bench.quality's prompts: KL 0.020 against 0.018)."""
+    as much as the torch layers on the same kernel (bench.quality's prompts: KL 0.020 against 0.018;
+    here, 8 chats of 12 answer tokens, on an AVX2 EPYC: 0.024 against 0.021, and 0.020 against 0.024
+    with the attention kernel's plain C loops: the same tiny rounding differences swing a 4-chat
+    sample's ratio from 0.9 to 1.6, so it takes 8)."""
     from nightshift.engine.loader import load_model
     from nightshift.engine.quant.config import resolve_quant_config
     model = load_model(default_model_path, dtype=torch.float32, cpu_math=math, quant_config=resolve_quant_config("int4"),
@@ -137,14 +140,20 @@ def test_an_int4_model_runs_the_fused_layers_too(default_model_path, fp32_model,
         from nightshift.engine.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(default_model_path)
         chats = [("What is the capital of France?", "The capital of France is Paris, a city on the Seine."),
-                 ("Name three primary colors.", "The three primary colors are red, yellow and blue."),
+                 ("Name three primary colors.", "The three primary colors of paint are red, yellow and blue."),
                  ("Write a haiku about the sea.", "Waves fold into foam, the tide keeps its quiet time."),
-                 ("Why is the sky blue?", "Sunlight scatters off the air, and blue light scatters most.")]
+                 ("Why is the sky blue?", "Sunlight scatters off the air, and blue light scatters most."),
+                 ("How do bees make honey?", "Bees gather nectar, store it in wax cells and fan it until it thickens."),
+                 ("What is a prime number?", "A prime number has exactly two divisors: one and itself, like 7 or 13."),
+                 ("Give me a tip for sleeping better.", "Keep the same bedtime every night and dim the lights an hour before."),
+                 ("Who wrote Hamlet?", "William Shakespeare wrote Hamlet around the year 1600, in London.")]
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q, _ in chats]
-        forced = [tokenizer.encode(a)[:8] for _, a in chats]
+        forced = [tokenizer.encode(a)[:12] for _, a in chats]
+        runner = ModelRunner(model, num_kv_blocks=8 * len(chats), block_size=16)
         fused = schedule(runner, model.fused_layers, prompts, forced)
         torch_layers = schedule(runner, None, prompts, forced)
-        reference = schedule(ModelRunner(fp32_model, num_kv_blocks=40, block_size=16), None, prompts, forced)
+        reference = schedule(ModelRunner(fp32_model, num_kv_blocks=8 * len(chats), block_size=16), None, prompts,
+                             forced)
         assert kl(fused, reference) < 1.25 * kl(torch_layers, reference)
     else:
         assert kl(fused, torch_layers) < 4e-3, kl(fused, torch_layers)
