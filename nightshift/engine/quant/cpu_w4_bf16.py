@@ -217,14 +217,14 @@ void w4_bf16_gemm(const uint16_t *x, int64_t M, int64_t K, int64_t G, const uint
             switch (M - m0 < ROWS ? M - m0 : ROWS) {  /* a constant row count each: the tile stays in registers */
                 case 1: tile(TILE_ARGS(1)); break;
 #if ROWS > 2
+                case 2: tile(TILE_ARGS(2)); break;
                 case 3: tile(TILE_ARGS(3)); break;
                 case 4: tile(TILE_ARGS(4)); break;
                 case 5: tile(TILE_ARGS(5)); break;
                 case 6: tile(TILE_ARGS(6)); break;
                 case 7: tile(TILE_ARGS(7)); break;
-                case 8: tile(TILE_ARGS(8)); break;
 #endif
-                default: tile(TILE_ARGS(2)); break;
+                default: tile(TILE_ARGS(ROWS)); break;
             }
         }
     }
