@@ -132,12 +132,10 @@ def test_qk_norms_and_qkv_bias_go_through_the_stack(arch, tmp_path):
     check_same_bits(model, rows=4)
 
 
-@bf16_math
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_gemma_layers_go_through_the_stack(arch, tmp_path):
-    """Gemma's form (sandwich norms, GeGLU), its sliding windows shorter than the prompts,
-    alternating with global layers, Gemma 2's attention soft-capping, Gemma 3's q/k norms and local
-    RoPE table."""
+def tiny_gemma(arch: str, folder) -> str:
+    """A tiny random Gemma 2 or Gemma 3 (4 layers, windows of 12 alternating with global layers;
+    Gemma 2's soft-capping, Gemma 3's q/k norms and local RoPE base; norms moved off their
+    defaults) saved as a HF folder; its path."""
     import transformers
     torch.manual_seed(0)
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -156,8 +154,17 @@ def test_gemma_layers_go_through_the_stack(arch, tmp_path):
         for name, param in reference.named_parameters():
             if "norm" in name:
                 param.add_(torch.randn_like(param) * 0.3)
-    reference.eval().save_pretrained(tmp_path / "model")
-    model = int4_model(str(tmp_path / "model"), tmp_path / "cache")
+    reference.eval().save_pretrained(folder)
+    return str(folder)
+
+
+@bf16_math
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_layers_go_through_the_stack(arch, tmp_path):
+    """Gemma's form (sandwich norms, GeGLU), its sliding windows shorter than the prompts,
+    alternating with global layers, Gemma 2's attention soft-capping, Gemma 3's q/k norms and local
+    RoPE table."""
+    model = int4_model(tiny_gemma(arch, tmp_path / "model"), tmp_path / "cache")
     assert {layer.window for layer in model.fused_layers} == {12, None}
     if arch == "gemma3":
         assert model.fused_layers[0].qk_norm is not None and len(model.rotary) == 2
@@ -236,21 +243,7 @@ def test_under_the_float32_math_small_steps_run_the_stack_over_a_float32_pool(fl
 
 @float32_math
 def test_under_the_float32_math_gemma_3_runs_the_stack(tmp_path):
-    import transformers
-    torch.manual_seed(0)
-    reference = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=32, max_position_embeddings=512, sliding_window=12, query_pre_attn_scalar=24,
-        rms_norm_eps=1e-6, attn_implementation="eager", num_hidden_layers=4,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.3)
-    reference.eval().save_pretrained(tmp_path / "model")
-    model = float32_int4_model(str(tmp_path / "model"), tmp_path / "cache")
+    model = float32_int4_model(tiny_gemma("gemma3", tmp_path / "model"), tmp_path / "cache")
     assert {layer.window for layer in model.fused_stack.layers} == {12, None}
     check_float32_math(model, rows=4)
 
