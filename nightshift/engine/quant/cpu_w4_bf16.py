@@ -34,10 +34,11 @@ largest: far below the bfloat16 rounding the activations already had), the 4-bit
 ``vpmaddwd`` (exact int32 sums, exactly float32 at the group's end), and per group one float
 multiply-add by scale x 2^e and one by the min. Widening the 4-bit values to float instead (an AND
 and a convert per weight) made the kernel compute-bound on a Zen 3 core; this form reads the weights
-at memory speed. On a 2-core AMD EPYC Zen 3 (AVX2 only; 2026-11-27) the 30 layers' projections at
-M = 1 / 2 / 4 / 8 rows: 4.9-5.4 / 6.6 / 11.2 / 13.5 ms per step against tinygemm's 11.4 / 14.3 /
-20.2 / 26.8 (ad hoc, then ``python -m bench.quant_kernels --threads 2``); one large call streams
-the weights at ~20 GB/s, what the machine reads with two threads.
+at memory speed. On a 2-core AMD EPYC Zen 3 (AVX2 only; 2026-11-27), ``python -m bench.quant_kernels
+--threads 2 --rows 1,2,4,8,16``, ms per step over the 30 layers' projections: 8.2 / 9.4 / 15.0 /
+22.7 / 44.1 against tinygemm's 12.3 / 17.6 / 21.5 / 35.5 / 78.5 (the machine loaded by a neighbour
+then; at a quieter time, ad hoc, 4.9 ms at M = 1: 60 MB at ~12 GB/s, where one call of the same bytes
+streams at ~20 GB/s, what the machine reads with two threads).
 
 Needs AVX-512 BF16 and BW, or AVX2 with FMA and F16C (``available``); elsewhere the INT4 layer
 keeps torch's kernel (quant/int4_linear.py).
