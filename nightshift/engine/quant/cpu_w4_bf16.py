@@ -112,9 +112,7 @@ static inline __attribute__((always_inline)) void tile(const int M, const uint8_
    pairs ``vpmaddwd`` multiplies with (x[k], x[k + 1]) and (x[k + 2], x[k + 3]). Per group and output
    one float multiply-add by scale * 2^e and one by min * the group's float32 activation sum.
    x16: the rows' int16 pairs as 32-bit words [M, K/2]; xe: 2^e per row and group [M, K/G]. */
-#ifndef ROWS
 #define ROWS 2                      /* rows a register tile holds */
-#endif
 static inline __attribute__((always_inline)) void tile(const int M, const uint8_t *pk, const uint16_t *sm,
         const uint32_t *x16, const float *xe, const float *xs, int64_t K, int64_t G, uint16_t *y, int64_t N,
         int64_t n0, int64_t count) {
