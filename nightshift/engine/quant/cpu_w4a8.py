@@ -42,7 +42,9 @@ BLOCK = 32          # activation quantization block (input channels), as Q8_0
 TILE_ROWS = 4       # rows of one register tile
 TILE_OUT = 32       # outputs padded to a whole AVX-512 VNNI tile (two vectors of 16; AVX2's is 16)
 
-SOURCE = r"""
+# what every int8-activation kernel shares (engine/quant/cpu_w8a8.py compiles it too): bfloat16
+# conversions, the rows' store, and the activations' quantization
+ROWS_SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -130,6 +132,10 @@ void quantize_rows(const void *x, int64_t M, int64_t Mp, int64_t K, int64_t G, i
     }
 }
 
+"""
+
+# the W4A8 product (its two forms)
+GEMM_SOURCE = r"""
 /* y [M, N] (float32, or bfloat16 when y_bf16) = the W4A8 product (+ bias float32 [N] or NULL).
    w: packed [Np/16, K/32, 4, 16, 4] bytes; sw, mw: float32 [Np/16, K/G, 16]; xq/dx/xs from
    quantize_rows with Mp a multiple of 4; Np a multiple of 32. Both forms below compute the same
@@ -271,6 +277,7 @@ void w4a8_gemm(const int8_t *xq, const float *dx, const float *xs, int64_t M, in
 }
 #endif
 """
+SOURCE = ROWS_SOURCE + GEMM_SOURCE
 FLAGS = [*OPTIMIZE, "-fno-tree-reassoc"]
 
 _libs: dict[bool, Optional[ctypes.CDLL]] = {}
