@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from nightshift.engine.loader import load_model
 from nightshift.engine.model_runner import ModelRunner
+from nightshift.engine.quant import cpu_w8a8
 from nightshift.engine.quant.config import QuantConfig
 from nightshift.engine.quant.int4_linear import Int4Linear
 from nightshift.engine.step import StepItem
@@ -137,6 +138,8 @@ def _set_int4_kernel(model, kernel: str) -> None:
     for module in model.modules():
         if isinstance(module, Int4Linear):
             module.cpu_kernel = "w4a8" if kernel == "w4a8" else "dense"
+    # the LM head follows, as the engine builds it (layers/q8_head.py): int8 activations with W4A8
+    model.q8_head_int8 = kernel == "w4a8" and model.q8_head is not None and cpu_w8a8.available()
 
 
 def quantized_layer_bytes(model) -> tuple[int, int]:

@@ -1,7 +1,7 @@
-"""The Q8_0 LM head of an INT4 model's small steps (engine/layers/q8_head.py): the GGUF's own int8
-values and scales, exactly the float weights the model holds; its logits equal the float32 head's to
-float32 summation order, each row computed alone; only the steps that run the INT4 layers on torch's
-int4 kernel use it."""
+"""The Q8_0 LM head of an INT4 model (engine/layers/q8_head.py): the GGUF's own int8 values and
+scales, exactly the float weights the model holds. Its small steps' logits equal the float32 head's
+to float32 summation order, each row computed alone; only the steps that run the INT4 layers on our
+small-step kernels use it; a model on the W4A8 kernel sends every call to it, on int8 activations."""
 from __future__ import annotations
 
 import pytest
@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from nightshift.engine.layers import q8_head
 from nightshift.engine.layers.linear import GGUFBlocks
 from nightshift.engine.loader import load_checkpoint, load_model
+from nightshift.engine.quant import cpu_w8a8
 from nightshift.engine.quant.config import QuantConfig
 
 pytestmark = pytest.mark.skipif(q8_head.load() is None, reason="needs an AVX-512 CPU and a C compiler")
@@ -51,6 +52,27 @@ def test_an_int4_models_small_steps_read_the_gguf_q8_0_head(fp32_model, monkeypa
     small = int4.project_logits(hidden[:-1])                 # cpu_int4_max_rows rows: the Q8_0 head
     assert (small - expected[:-1]).abs().max().item() <= 1e-5 * expected.abs().max().item()
     assert int4.project_logits(hidden).shape[0] == hidden.shape[0] and calls == [hidden.shape[0] - 1]
-    # the W4A8 kernel runs every step size: its model keeps the dense head throughout
-    assert load_model("default", dtype=torch.float32, quant_config=QuantConfig(), cpu_math="float32",
-                      cpu_int4="w4a8").q8_head is None
+    assert not int4.q8_head_int8
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not cpu_w8a8.available(), reason="needs an x86 CPU with AVX2 and a C compiler")
+def test_a_w4a8_models_every_head_call_is_q8_0_against_int8_activations(fp32_model, monkeypatch):
+    """The W4A8 layers quantize every step's activations to int8: the head follows on every call,
+    small and large, through the W8A8 kernel on the GGUF's Q8_0 blocks (engine/quant/cpu_w8a8.py),
+    its logits those of the exact Q8_0 weights up to int8 activation rounding."""
+    w4a8 = load_model("default", dtype=torch.float32, quant_config=QuantConfig(), cpu_math="float32",
+                      cpu_int4="w4a8")
+    head = w4a8.q8_head
+    assert head is not None and w4a8.q8_head_int8
+    calls = []
+    monkeypatch.setattr(head, "linear_int8", lambda x, real=head.linear_int8: calls.append(x.shape[0]) or real(x))
+    monkeypatch.setattr(head, "linear", lambda x: pytest.fail("the float-activation head ran"))
+    hidden = torch.randn(300, fp32_model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = F.linear(hidden, fp32_model.embed_tokens)
+    for rows in (1, 300):                    # a batch-1 step's row and more rows than any small step
+        got = w4a8.project_logits(hidden[:rows])
+        assert got.dtype == torch.float32 and got.shape == (rows, fp32_model.config.vocab_size)
+        assert (got - expected[:rows]).abs().max().item() <= 1e-2 * expected[:rows].abs().max().item()
+        assert torch.equal(got, head.linear_int8(hidden[:rows]))
+    assert calls == [1, 1, 300, 300]

@@ -114,6 +114,7 @@ class HeadlessLinearFactory:
 
     math = "float32"
     small_step_rows = 0
+    int8_activations = False
 
     def __init__(self, pack: bool = False):
         self.pack = pack

@@ -103,6 +103,9 @@ class LinearFactory(Protocol):
     # weights (an INT4 model's small steps on CPU: quant/int4_linear.py), where the LM head reads a
     # GGUF's Q8_0 blocks too (layers/q8_head.py); 0: every step on the same math
     small_step_rows: int
+    # its INT4 layers quantize their activations to int8 on every step (the W4A8 kernel:
+    # quant/cpu_w4a8.py), where the LM head from a GGUF's Q8_0 blocks does too (layers/q8_head.py)
+    int8_activations: bool
 
     def __call__(self, source: WeightSource) -> nn.Module:
         """A module computing `x @ W.T (+ b)` for the projection `source` describes."""
@@ -116,6 +119,7 @@ class DenseLinearFactory:
     """Every projection full precision, float32 CPU weights held for `math` (engine/layers/cpu_math.py)."""
 
     small_step_rows = 0
+    int8_activations = False
 
     def __init__(self, math: str = "float32"):
         self.math = math

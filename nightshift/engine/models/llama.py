@@ -261,11 +261,13 @@ class LlamaForCausalLM(nn.Module):
                             if cpu_math.applies(self.embed_tokens, linear.math) else None)
         else:
             self.lm_head = projection("lm_head", [head])
-        # an INT4 model's head calls of a few rows from the GGUF's own Q8_0 blocks, where it stores
-        # the matrix so (the same values as the float weights, half the bytes of bf16: layers/q8_head.py)
-        self.q8_head, self.q8_head_rows = None, linear.small_step_rows
-        if device.type == "cpu" and self.q8_head_rows > 0 and linear.is_dense("lm_head"):
-            self.q8_head = Q8Head.from_checkpoint(checkpoint.gguf, f"{head}.weight")
+        # an INT4 model's head from the GGUF's own Q8_0 blocks, where it stores the matrix so (the
+        # same values as the float weights, half the bytes of bf16: layers/q8_head.py): the calls of
+        # a few rows against float activations, or, where the layers quantize their activations to
+        # int8 on every step (the W4A8 kernel), every call against int8 activations (q8_head_int8)
+        self.q8_head, self.q8_head_rows, self.q8_head_int8 = None, linear.small_step_rows, linear.int8_activations
+        if device.type == "cpu" and (self.q8_head_rows > 0 or self.q8_head_int8) and linear.is_dense("lm_head"):
+            self.q8_head = Q8Head.from_checkpoint(checkpoint.gguf, f"{head}.weight", self.q8_head_int8)
         self.rotary = self.rotary_embeddings(config, checkpoint).to(device)
         # the RoPE table each layer uses: "local" (sliding layers, where the config gives them
         # their own base: Gemma 3) or "global"
@@ -327,9 +329,11 @@ class LlamaForCausalLM(nn.Module):
 
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on final hidden states `[..., hidden_size]` (the tied embedding or lm_head;
-        an INT4 model's calls of a few rows the GGUF's Q8_0 blocks of it), soft-capped where the config says
-        so (Gemma 2)."""
-        if self.q8_head is not None and hidden.dim() == 2 and hidden.shape[0] <= self.q8_head_rows:
+        an INT4 model's calls of a few rows, or every call of one on int8 activations, the GGUF's Q8_0
+        blocks of it), soft-capped where the config says so (Gemma 2)."""
+        if self.q8_head is not None and hidden.dim() == 2 and self.q8_head_int8:
+            logits = self.q8_head.linear_int8(hidden)
+        elif self.q8_head is not None and hidden.dim() == 2 and hidden.shape[0] <= self.q8_head_rows:
             logits = self.q8_head.linear(hidden)
         else:
             logits = F.linear(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)

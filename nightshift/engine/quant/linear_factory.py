@@ -65,6 +65,7 @@ class Int4LinearFactory:
         self.cpu_kernel = cpu_kernel          # the INT4 layers' CPU kernel (cpu_math.choose_int4)
         # torch's int4 kernel for steps of up to cpu_int4_max_rows rows (dense); W4A8 runs every step
         self.small_step_rows = config.cpu_int4_max_rows if cpu_kernel == "dense" else 0
+        self.int8_activations = cpu_kernel == "w4a8"
         self.cache = cache
         self._calibrate = calibrate
         self._stats: Optional[dict[str, ActivationStats]] = None
