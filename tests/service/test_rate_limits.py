@@ -126,10 +126,18 @@ def test_over_the_limit_is_429_in_openai_shape_across_two_workers(limited_api):
                 pass
         return last
 
-    empty_the_bucket()
-    with pytest.raises(openai.RateLimitError) as caught:
-        impatient.batches.list()
-    assert caught.value.code == "rate_limit_exceeded"
+    # A token comes back every 0.5 s: on a loaded machine one can come back between emptying the
+    # bucket and the impatient request, which then rightly gets through (CI saw it once). Such an
+    # attempt proves nothing either way, so the bucket is emptied again, at most three times.
+    for _ in range(3):
+        empty_the_bucket()
+        try:
+            impatient.batches.list()
+        except openai.RateLimitError as refused:
+            assert refused.code == "rate_limit_exceeded"
+            break
+    else:
+        pytest.fail("three requests right after the bucket was emptied all got through: nothing was refused")
     last = empty_the_bucket()
     started = time.monotonic()
     assert patient.batches.list().data == []                      # waited Retry-After, then got through
