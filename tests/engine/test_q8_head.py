@@ -65,6 +65,7 @@ def test_a_w4a8_models_every_head_call_is_q8_0_against_int8_activations(fp32_mod
                       cpu_int4="w4a8")
     head = w4a8.q8_head
     assert head is not None and w4a8.q8_head_int8
+    assert w4a8.lm_head is None                  # no packed dense head kept beside it (tied: the embedding remains)
     calls = []
     monkeypatch.setattr(head, "linear_int8", lambda x, real=head.linear_int8: calls.append(x.shape[0]) or real(x))
     monkeypatch.setattr(head, "linear", lambda x: pytest.fail("the float-activation head ran"))

@@ -193,7 +193,7 @@ class Q8Head:
     def __init__(self, blocks: GGUFBlocks):
         if blocks.qtype != Q8_0 or blocks.in_features % BLOCK:
             raise ValueError(f"not Q8_0 rows of whole blocks: type {blocks.qtype}, {blocks.in_features} columns")
-        self._blocks = blocks
+        self._blocks = blocks             # memory-mapped from the checkpoint: each form is built from it
         self.out_features, self.in_features = blocks.out_features, blocks.in_features
         self._float_form: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._int8_form: Optional[cpu_w8a8.W8A8Weight] = None

@@ -254,13 +254,6 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(config.num_layers))
         self.norm = self.arch.norm(tensor("model.norm.weight"), config.rms_norm_eps)
         head = "model.embed_tokens" if config.tie_word_embeddings else "lm_head"
-        if config.tie_word_embeddings and linear.is_dense("lm_head"):
-            # reuse the embedding matrix (no second copy), except where the CPU math holds its own
-            # form of it (engine/layers/cpu_math.py; packed float32 alone makes the head up to 2x faster)
-            self.lm_head = (DenseLinear(self.embed_tokens, None, math=linear.math)
-                            if cpu_math.applies(self.embed_tokens, linear.math) else None)
-        else:
-            self.lm_head = projection("lm_head", [head])
         # an INT4 model's head from the GGUF's own Q8_0 blocks, where it stores the matrix so (the
         # same values as the float weights, half the bytes of bf16: layers/q8_head.py): the calls of
         # a few rows against float activations, or, where the layers quantize their activations to
@@ -268,6 +261,15 @@ class LlamaForCausalLM(nn.Module):
         self.q8_head, self.q8_head_rows, self.q8_head_int8 = None, linear.small_step_rows, linear.int8_activations
         if device.type == "cpu" and (self.q8_head_rows > 0 or self.q8_head_int8) and linear.is_dense("lm_head"):
             self.q8_head = Q8Head.from_checkpoint(checkpoint.gguf, f"{head}.weight", self.q8_head_int8)
+        if config.tie_word_embeddings and linear.is_dense("lm_head"):
+            # reuse the embedding matrix (no second copy), except where the CPU math holds its own
+            # form of it (engine/layers/cpu_math.py; packed float32 alone makes the head up to 2x
+            # faster), and none where the Q8_0 head takes every call
+            every_call_q8 = self.q8_head is not None and self.q8_head_int8
+            self.lm_head = (DenseLinear(self.embed_tokens, None, math=linear.math)
+                            if cpu_math.applies(self.embed_tokens, linear.math) and not every_call_q8 else None)
+        else:
+            self.lm_head = projection("lm_head", [head])
         self.rotary = self.rotary_embeddings(config, checkpoint).to(device)
         # the RoPE table each layer uses: "local" (sliding layers, where the config gives them
         # their own base: Gemma 3) or "global"
