@@ -188,15 +188,20 @@ def _groups_of_16(t: torch.Tensor) -> torch.Tensor:
 class Q8Head:
     """A Q8_0 matrix `[N, K]` from a GGUF's blocks: ``linear(x)`` = ``x @ W.T`` against float
     activations (this module's kernel), ``linear_int8(x)`` the same against int8 activations
-    (quant/cpu_w8a8.py); each kernel's form of the weight is built on its first call."""
+    (quant/cpu_w8a8.py). The form of the weight the head is built for (`int8_activations`) is made
+    at once, the other on its first call."""
 
-    def __init__(self, blocks: GGUFBlocks):
+    def __init__(self, blocks: GGUFBlocks, int8_activations: bool = False):
         if blocks.qtype != Q8_0 or blocks.in_features % BLOCK:
             raise ValueError(f"not Q8_0 rows of whole blocks: type {blocks.qtype}, {blocks.in_features} columns")
         self._blocks = blocks             # memory-mapped from the checkpoint: each form is built from it
         self.out_features, self.in_features = blocks.out_features, blocks.in_features
         self._float_form: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._int8_form: Optional[cpu_w8a8.W8A8Weight] = None
+        if int8_activations:
+            self._int8_weight()
+        else:
+            self._float_weight()
 
     @classmethod
     def from_checkpoint(cls, gguf, name: str, int8_activations: bool = False) -> Optional["Q8Head"]:
@@ -207,7 +212,7 @@ class Q8Head:
             return None
         if not (cpu_w8a8.available() if int8_activations else load() is not None):
             return None
-        return cls(blocks)
+        return cls(blocks, int8_activations)
 
     def _values_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 values `[N, K]`, float32 scales `[N, K/32]`) read from the blocks."""
@@ -226,10 +231,7 @@ class Q8Head:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """Rows `x` `[M, K]` (any float dtype; computed in float32) -> float32 `[M, N]`."""
         assert x.dim() == 2 and x.shape[1] == self.in_features, f"rows of {self.in_features}, got {tuple(x.shape)}"
-        if self._float_form is None:
-            values, scales = self._values_and_scales()
-            self._float_form = (_groups_of_16(values), _groups_of_16(scales))   # [Np/16, K, 16], [Np/16, K/32, 16]
-        values, scales = self._float_form
+        values, scales = self._float_weight()
         x = x.float().contiguous()
         y = torch.empty(x.shape[0], self.out_features)
         load().q8_linear(x.data_ptr(), x.shape[0], values.data_ptr(), scales.data_ptr(), y.data_ptr(),
@@ -240,6 +242,17 @@ class Q8Head:
         """Rows `x` `[M, K]` (float32 or bfloat16) quantized to int8 per row and block of 32 (Q8_0's
         rule, as the W4A8 layers' activations) -> float32 `[M, N]` (quant/cpu_w8a8.py)."""
         assert x.dim() == 2 and x.shape[1] == self.in_features, f"rows of {self.in_features}, got {tuple(x.shape)}"
+        return self._int8_weight().linear(x if x.dtype in (torch.float32, torch.bfloat16) else x.float())
+
+    def _float_weight(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float kernel's form: values `[Np/16, K, 16]` and scales `[Np/16, K/32, 16]`."""
+        if self._float_form is None:
+            values, scales = self._values_and_scales()
+            self._float_form = (_groups_of_16(values), _groups_of_16(scales))
+        return self._float_form
+
+    def _int8_weight(self) -> cpu_w8a8.W8A8Weight:
+        """The W8A8 kernel's form."""
         if self._int8_form is None:
             self._int8_form = cpu_w8a8.W8A8Weight(*self._values_and_scales())
-        return self._int8_form.linear(x if x.dtype in (torch.float32, torch.bfloat16) else x.float())
+        return self._int8_form
