@@ -333,9 +333,10 @@ class LlamaForCausalLM(nn.Module):
         """The LM head on final hidden states `[..., hidden_size]` (the tied embedding or lm_head;
         an INT4 model's calls of a few rows, or every call of one on int8 activations, the GGUF's Q8_0
         blocks of it), soft-capped where the config says so (Gemma 2)."""
-        if self.q8_head is not None and hidden.dim() == 2 and self.q8_head_int8:
+        q8 = self.q8_head is not None and hidden.dim() == 2
+        if q8 and self.q8_head_int8:
             logits = self.q8_head.linear_int8(hidden)
-        elif self.q8_head is not None and hidden.dim() == 2 and hidden.shape[0] <= self.q8_head_rows:
+        elif q8 and hidden.shape[0] <= self.q8_head_rows:
             logits = self.q8_head.linear(hidden)
         else:
             logits = F.linear(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)
