@@ -94,34 +94,54 @@ static inline __m512 sum16_last(const __m512 x[4]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], 0x88), _mm512_shuffle_f32x4(y[0], y[1], 0xdd));
 }
 #elif defined(__AVX2__) && defined(__FMA__) && HD % 8 == 0 && !defined(PORTABLE)
-/* AVX2: the same passes with 8-lane vectors. Scores eight positions at a time per query head: each
-   dot product's partial vector (HD / 8 multiply-adds, K read straight from the block) and one
-   transposing reduction (sum8: lane p the sum of d[p]'s lanes) for the eight. Values: per query
-   head, the head's HD / 8 accumulator vectors in registers across the block's positions. */
+/* AVX2: the same passes with 8-lane vectors, up to GC query heads of a KV head at a time, each K or
+   V vector loaded once for all of them (16 ymm registers: GC x 4 score accumulators, or GC x VW
+   value accumulators, plus the GC query vectors or probabilities and the K/V vector). Scores four
+   positions at a time: each dot product's partial vector (HD / 8 multiply-adds) and one transposing
+   reduction (sum4: lane p the sum of d[p]'s lanes) per head. Values: per head, VW of its HD / 8
+   accumulator vectors in registers across the block's positions. */
 #define VEC2 1
 #define NV (HD / 8)
+#define GC 3                                   /* query heads at a time */
+#define VW(gc) ((gc) == 1 ? 8 : (15 - (gc)) / (gc))   /* value accumulators per head at a time */
 #ifdef KV_BF16
 #define LOAD_KV(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #else
 #define LOAD_KV(p) _mm256_loadu_ps(p)
 #endif
-static inline __m256 sum8(const __m256 d[8]) {
-    const __m256 t0 = _mm256_hadd_ps(d[0], d[1]), t1 = _mm256_hadd_ps(d[2], d[3]);
-    const __m256 t2 = _mm256_hadd_ps(d[4], d[5]), t3 = _mm256_hadd_ps(d[6], d[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+static inline __m128 sum4(__m256 d0, __m256 d1, __m256 d2, __m256 d3) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(d0, d1), _mm256_hadd_ps(d2, d3));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
-/* the scores of positions kp, kp + row, ... (c of them, c <= 8; the others' lanes 0) for one query
-   head qg, into s[0..7] */
-static inline __attribute__((always_inline)) void scores8(const int c, const float *qg, const kv_t *kp,
-                                                          int64_t row, float *s) {
-    __m256 d[8];
-    for (int p = 0; p < 8; p++) d[p] = _mm256_setzero_ps();
+/* the scores of positions kp, kp + row, ... (c of them, c <= 4; the others' lanes 0) for the gc
+   query heads at q (HD apart), into s[g * stride + 0..3] */
+static inline __attribute__((always_inline)) void scores4(const int gc, const int c, const float *q,
+                                                          const kv_t *kp, int64_t row, float *s,
+                                                          int64_t stride) {
+    __m256 d[GC][4];
+    for (int g = 0; g < gc; g++)
+        for (int p = 0; p < 4; p++) d[g][p] = _mm256_setzero_ps();
     for (int v = 0; v < NV; v++) {
-        const __m256 qv = _mm256_loadu_ps(qg + 8 * v);
-        for (int p = 0; p < c; p++) d[p] = _mm256_fmadd_ps(qv, LOAD_KV(kp + p * row + 8 * v), d[p]);
+        __m256 qv[GC];
+        for (int g = 0; g < gc; g++) qv[g] = _mm256_loadu_ps(q + g * HD + 8 * v);
+        for (int p = 0; p < c; p++) {
+            const __m256 kv = LOAD_KV(kp + p * row + 8 * v);
+            for (int g = 0; g < gc; g++) d[g][p] = _mm256_fmadd_ps(qv[g], kv, d[g][p]);
+        }
     }
-    _mm256_storeu_ps(s, sum8(d));
+    for (int g = 0; g < gc; g++) _mm_storeu_ps(s + g * stride, sum4(d[g][0], d[g][1], d[g][2], d[g][3]));
+}
+static inline __attribute__((always_inline)) void scores_block(const int gc, int64_t cnt, const float *q,
+                                                               const kv_t *kb, int64_t row, float *s,
+                                                               int64_t stride) {
+    int64_t j0 = 0;
+    for (; j0 + 4 <= cnt; j0 += 4) scores4(gc, 4, q, kb + j0 * row, row, s + j0, stride);
+    if (j0 < cnt) {
+        const int c = (int)(cnt - j0);
+        if (c == 1) scores4(gc, 1, q, kb + j0 * row, row, s + j0, stride);
+        else if (c == 2) scores4(gc, 2, q, kb + j0 * row, row, s + j0, stride);
+        else scores4(gc, 3, q, kb + j0 * row, row, s + j0, stride);
+    }
 }
 #endif
 
@@ -163,6 +183,55 @@ static inline void ahead_step(struct ahead *a, const char *k, const char *v, int
         if ((a->o += 64) >= block_bytes) { a->o = 0; a->b++; }
     }
 }
+#ifdef VEC2
+/* acc[g * HD + 8 * v] (g < gc, v < w) += the sum over the block's cnt positions j of
+   s[g * stride + j] * V[j]'s vector v; `walk`: this call walks the next row's blocks ahead */
+static inline __attribute__((always_inline)) void values_block(const int gc, const int w, int64_t cnt,
+                                                               const float *s, int64_t stride,
+                                                               const kv_t *vb, int64_t row, float *acc,
+                                                               struct ahead *next, const char *k_cache,
+                                                               const char *v_cache, int64_t block_bytes,
+                                                               int walk) {
+    __m256 av[GC][8];
+    for (int g = 0; g < gc; g++)
+        for (int v = 0; v < w; v++) av[g][v] = _mm256_loadu_ps(acc + g * HD + 8 * v);
+    for (int64_t j = 0; j < cnt; j++) {
+        if (walk) ahead_step(next, k_cache, v_cache, block_bytes, PV_LINES);
+        __m256 p[GC];
+        for (int g = 0; g < gc; g++) p[g] = _mm256_set1_ps(s[g * stride + j]);
+        const kv_t *vp = vb + j * row;
+        for (int v = 0; v < w; v++) {
+            const __m256 vv = LOAD_KV(vp + 8 * v);
+            for (int g = 0; g < gc; g++) av[g][v] = _mm256_fmadd_ps(p[g], vv, av[g][v]);
+        }
+    }
+    for (int g = 0; g < gc; g++)
+        for (int v = 0; v < w; v++) _mm256_storeu_ps(acc + g * HD + 8 * v, av[g][v]);
+}
+/* one block of one KV head, every query head of it: GC heads at a time (the last chunk GQ % GC),
+   VW of their accumulator vectors at a time (the last chunk the rest) */
+#define GC_LAST (GQ % GC ? GQ % GC : GC)
+static inline __attribute__((always_inline)) void values_heads(int64_t cnt, const float *s, int64_t stride,
+                                                               const kv_t *vb, int64_t row, float *acc,
+                                                               struct ahead *next, const char *k_cache,
+                                                               const char *v_cache, int64_t block_bytes) {
+    for (int g0 = 0; g0 < GQ; g0 += GC) {
+        const int full = GQ - g0 >= GC;
+#define VALUES_CHUNKS(gc) \
+        for (int v0 = 0; v0 < NV; v0 += VW(gc)) { \
+            const int walk = g0 == 0 && v0 == 0; \
+            if (NV - v0 >= VW(gc)) \
+                values_block(gc, VW(gc), cnt, s + g0 * stride, stride, vb + 8 * v0, row, acc + g0 * HD + 8 * v0, \
+                             next, k_cache, v_cache, block_bytes, walk); \
+            else \
+                values_block(gc, NV % VW(gc), cnt, s + g0 * stride, stride, vb + 8 * v0, row, \
+                             acc + g0 * HD + 8 * v0, next, k_cache, v_cache, block_bytes, walk); \
+        }
+        if (full) { VALUES_CHUNKS(GC) } else { VALUES_CHUNKS(GC_LAST) }
+#undef VALUES_CHUNKS
+    }
+}
+#endif
 /* q, out [n, KVH * GQ, HD]; k_cache, v_cache [blocks, bs, KVH, HD]; tables [n, tw] (block ids
    of each row's sequence); lens [n]: row i attends to positions 0 .. lens[i]-1. Work item = one
    row, all its heads: the scores of every head first, block by block (each block's K read once,
@@ -229,13 +298,12 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                             _mm512_storeu_ps(scores + (h * GQ + g) * stride + t0 + j0, sum16_last(quarter[g]));
                     }
 #elif defined(VEC2)
-                    for (int64_t j0 = 0; j0 < cnt; j0 += 8)
-                        for (int g = 0; g < GQ; g++) {
-                            const float *qg = qs + (h * GQ + g) * HD;
-                            float *s = scores + (h * GQ + g) * stride + t0 + j0;
-                            if (cnt - j0 >= 8) scores8(8, qg, kb + j0 * row, row, s);
-                            else scores8((int)(cnt - j0), qg, kb + j0 * row, row, s);
-                        }
+                    for (int g0 = 0; g0 < GQ; g0 += GC) {
+                        const float *qg = qs + (h * GQ + g0) * HD;
+                        float *s = scores + (h * GQ + g0) * stride + t0;
+                        if (GQ - g0 >= GC) scores_block(GC, cnt, qg, kb, row, s, stride);
+                        else scores_block(GC_LAST, cnt, qg, kb, row, s, stride);
+                    }
 #else
                     for (int64_t j = 0; j < cnt; j++) {
                         const kv_t *kp = kb + j * row;
@@ -285,23 +353,8 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                     for (int g = 0; g < GQ; g++)
                         for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + (h * GQ + g) * HD + 16 * v, av[g][v]);
 #elif defined(VEC2)
-                    for (int g = 0; g < GQ; g++) {
-                        float *ag = acc + (h * GQ + g) * HD;
-                        const float *sg = scores + (h * GQ + g) * stride + t0;
-                        for (int v0 = 0; v0 < NV; v0 += 8) {      /* at most 8 accumulators at a time */
-                            __m256 av[8];
-                            const int w = NV - v0 < 8 ? NV - v0 : 8;
-                            for (int v = 0; v < w; v++) av[v] = _mm256_loadu_ps(ag + 8 * (v0 + v));
-                            for (int64_t j = 0; j < cnt; j++) {
-                                if (g == 0 && v0 == 0)
-                                    ahead_step(&next, (const char *)k_cache, (const char *)v_cache, block_bytes, PV_LINES);
-                                const __m256 p = _mm256_set1_ps(sg[j]);
-                                const kv_t *vp = vb + j * row + 8 * v0;
-                                for (int v = 0; v < w; v++) av[v] = _mm256_fmadd_ps(p, LOAD_KV(vp + 8 * v), av[v]);
-                            }
-                            for (int v = 0; v < w; v++) _mm256_storeu_ps(ag + 8 * (v0 + v), av[v]);
-                        }
-                    }
+                    values_heads(cnt, scores + h * GQ * stride + t0, stride, vb, row, acc + h * GQ * HD, &next,
+                                 (const char *)k_cache, (const char *)v_cache, block_bytes);
 #else
                     for (int64_t j = 0; j < cnt; j++) {
                         ahead_step(&next, (const char *)k_cache, (const char *)v_cache, block_bytes, PV_LINES);
