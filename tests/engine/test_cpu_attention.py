@@ -31,10 +31,11 @@ def reference(q, k_cache, v_cache, tables, lens, scale, window=None, softcap=Non
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-kv", "bf16-kv"])
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16),
-                                                             (6, 2, 48, 8)])
+                                                             (6, 2, 48, 8), (8, 2, 64, 16)])
 def test_kernel_matches_softmax_attention(heads, kv_heads, dim, block_size, portable, kv_dtype):
     """Both builds: the native one (AVX-512 loops where the CPU has them and the head dim is a
-    multiple of 16) and the plain C loops every other CPU runs; pools of float32 and of bfloat16
+    multiple of 16, AVX2 loops where the CPU has those: over a bfloat16 pool query heads three at a time,
+    so groups of 3, 1, 8 = 3 + 3 + 2, 2 and 4 = 3 + 1 heads per KV head) and the plain C loops every other CPU runs; pools of float32 and of bfloat16
     K/V (compared with attention over the bfloat16 values)."""
     if cpu_paged_attention.load(heads // kv_heads, dim, portable, kv_dtype) is None:
         pytest.skip("no C compiler here: the runner uses the torch path")

@@ -29,12 +29,16 @@ arithmetic stays float32 either way.
 Built on first use per (query heads per KV head, head dim, pool dtype) with the system C compiler
 (`cc -O3 -march=native -fopenmp`, the first two as constants so the inner loops unroll) through
 kernels/c_library.py (cached on disk by source hash, called through ctypes). AVX2 CPUs run the same
-passes with 8-lane vectors (scores eight positions at a time with one transposing reduction, the
-values' accumulators in registers; head dims a multiple of 8): on a 2-core AMD EPYC Zen 3 the
-attention calls of a 256-row decode step over 220-390 positions (`bench.runner`'s, float32 pool)
-took 255 -> 210 ms of its ~900 (ad hoc wrapper timings): the rest is reading the K/V, the
-arithmetic no longer counts. Other CPUs (and other head dims) run the same loops in plain C. Where there is no compiler or
-the build fails, `load()` returns None once and the backend selection keeps the torch path:
+passes with 8-lane vectors (scores four positions at a time with one transposing reduction per
+head, the values' accumulators in registers; head dims a multiple of 8): on a 2-core AMD EPYC Zen 3
+the attention calls of a 256-row decode step over 220-390 positions (`bench.runner`'s, float32 pool)
+took 255 -> 210 ms of its ~900 (ad hoc wrapper timings). Over a bfloat16 pool (the fused layers'),
+where each K or V vector is widened before use, three query heads of a KV head take each vector
+at once (its loads and widening shared; GC in the source): the same bits, and on a 2-core Zen 3 the
+attention calls of that step with the W4A8 model (ad hoc, old and new kernel alternating in one
+process) 143-159 -> 115-129 ms, the step 592-634 -> 543-612 ms; over a float32 pool sharing the
+vectors gained nothing there, so it goes one head at a time. Other CPUs (and other head dims) run
+the same loops in plain C. Where there is no compiler or the build fails, `load()` returns None once and the backend selection keeps the torch path:
 nothing requires it. Queries float32; NIGHTSHIFT_CPU_ATTENTION=0 turns it off.
 """
 from __future__ import annotations
@@ -102,7 +106,14 @@ static inline __m512 sum16_last(const __m512 x[4]) {
    accumulator vectors in registers across the block's positions. */
 #define VEC2 1
 #define NV (HD / 8)
-#define GC 3                                   /* query heads at a time */
+/* query heads at a time: a bfloat16 K/V vector is widened (two instructions) once for three heads;
+   a float32 one is an FMA's memory operand, and sharing it gained nothing (the registers it takes
+   cost more: ad hoc timings on a Zen 3) */
+#ifdef KV_BF16
+#define GC 3
+#else
+#define GC 1
+#endif
 #define VW(gc) ((gc) == 1 ? 8 : (15 - (gc)) / (gc))   /* value accumulators per head at a time */
 #ifdef KV_BF16
 #define LOAD_KV(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
