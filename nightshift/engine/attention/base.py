@@ -67,6 +67,15 @@ class AttentionBackend(ABC):
                  meta: StepMetadata) -> None:
         """Write the step's new k, v `[T, kv_heads, head_dim]` (rows in metadata order) into the pool."""
 
+    def rope_store(self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
+                   num_heads: int) -> Optional[torch.Tensor]:
+        """RoPE of the step's q and k heads `qk` `[T, num_heads + kv_heads, D]` and the store of k
+        and `v` in one fused pass, giving q `[T, num_heads, D]` with exactly the values of
+        ``models.llama.apply_rope`` then ``store_kv``; None where this backend has no such pass for
+        these tensors (the model then runs those two steps itself)."""
+        return None
+
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: StepMetadata, scale: float, window: Optional[int] = None,

@@ -23,7 +23,7 @@ import torch
 
 from nightshift.engine.attention.base import AttentionBackend, StepMetadata, padded_block_tables, pool_slots
 from nightshift.engine.attention.torch_paged import index_copy_kv
-from nightshift.engine.kernels import cpu_paged_attention
+from nightshift.engine.kernels import cpu_exact_rope, cpu_paged_attention
 from nightshift.engine.step import StepItem, decode_indices
 
 
@@ -62,6 +62,12 @@ class CpuKernelAttention(AttentionBackend):
 
     def store_kv(self, k_cache, v_cache, k, v, meta: CpuKernelMetadata) -> None:
         index_copy_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+
+    def rope_store(self, qk, v, cos, sin, k_cache, v_cache, meta: CpuKernelMetadata, num_heads: int):
+        """float32 q, k, v and pool: the C pass of kernels/cpu_exact_rope.py (the torch ops' bits)."""
+        if not cpu_exact_rope.fits(qk, v, cos, k_cache, v_cache):
+            return None
+        return cpu_exact_rope.rope_store(qk, v, cos, sin, meta.slot_mapping, k_cache, v_cache, num_heads)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuKernelMetadata, scale: float,
                 window: Optional[int] = None, softcap: Optional[float] = None) -> torch.Tensor:

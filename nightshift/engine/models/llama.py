@@ -149,11 +149,15 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache: KVCache, attention: AttentionBackend, meta: StepMetadata):
         tokens = x.shape[0]
         qk, v = self.project(x)
-        # q and k heads rotated in one go (fewer ops per layer; per-op overhead matters on CPU)
-        qk = apply_rope(qk, cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = kv_cache
-        attention.store_kv(k_cache, v_cache, k, v, meta)
+        # RoPE and the K/V store in one pass where the backend has one (the CPU kernel's, float32)
+        q = attention.rope_store(qk, v, cos, sin, k_cache, v_cache, meta, self.num_heads)
+        if q is None:
+            # q and k heads rotated in one go (fewer ops per layer; per-op overhead matters on CPU)
+            q, k = apply_rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            attention.store_kv(k_cache, v_cache, k, v, meta)
+        else:
+            k = v = None        # already in the pool, where the backend reads them
         if self.window is None and self.softcap is None:
             out = attention.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         else:
