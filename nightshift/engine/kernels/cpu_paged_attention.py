@@ -38,8 +38,9 @@ at once (its loads and widening shared; GC in the source): the same bits, and on
 attention calls of that step with the W4A8 model (ad hoc, old and new kernel alternating in one
 process) 143-159 -> 115-129 ms, the step 592-634 -> 543-612 ms; over a float32 pool sharing the
 vectors gained nothing there, so it goes one head at a time. Other CPUs (and other head dims) run
-the same loops in plain C. Where there is no compiler or the build fails, `load()` returns None once and the backend selection keeps the torch path:
-nothing requires it. Queries float32; NIGHTSHIFT_CPU_ATTENTION=0 turns it off.
+the same loops in plain C. Where there is no compiler or the build fails, `load()` returns None
+once and the backend selection keeps the torch path: nothing requires it. Queries float32;
+NIGHTSHIFT_CPU_ATTENTION=0 turns it off.
 """
 from __future__ import annotations
 
