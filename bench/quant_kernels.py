@@ -26,6 +26,7 @@ chosen per shape and the runners-up.
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -123,8 +124,13 @@ def cuda_main(args) -> None:
     print("chosen per shape and M bucket (us of the three fastest candidates, L2 flushed):")
     for m in rows:
         for n, k in shapes:
-            best = ", ".join(f"{c.describe()} {t * 1e3:.1f}" for t, c in timings(keys[(m, n, k)])[:3])
+            timed = timings(keys[(m, n, k)])
+            best = ", ".join(f"{c.describe()} {t * 1e3:.1f}" for t, c in timed[:3])
             print(f"  M={m:<5} {n}x{k}: {best}")
+            kinds: dict[str, float] = {}
+            for t, c in timed:             # fastest first: the first of each kind is its best
+                kinds.setdefault(re.split(r" m\d", c.describe())[0], t)
+            print("      best of each kind: " + ", ".join(f"{kind} {t * 1e3:.1f}" for kind, t in kinds.items()))
 
 
 def main(argv=None) -> None:

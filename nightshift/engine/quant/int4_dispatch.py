@@ -5,8 +5,10 @@ reads the weight once and does almost no arithmetic; a 2k-token prefill is compu
 the weight's shape and on the GPU. So, as vLLM's and gemlite's autotuners do, the first call of
 each (device, N, K, group, dtype, M bucket) runs every candidate on that shape and keeps the
 fastest; later calls of the bucket run it directly. The candidates: engine/quant/triton_int4.py's
-GEMV, tensor-core tiles and dequantize + cuBLAS, and torch's CUDA int4 kernel ("tinygemm",
-``_weight_int4pack_mm``, bfloat16 only), which needs the weight in its own packed form.
+GEMV, tensor-core tiles (the activation as the first operand, or swapped: the weight's tile first,
+in the format's order or repacked into halves) and dequantize + cuBLAS, and torch's CUDA int4
+kernel ("tinygemm", ``_weight_int4pack_mm``, bfloat16 only), which needs the weight in its own
+packed form.
 
 * Timing: a CUDA graph of several runs, each after a write of 256 MB that flushes the L2 (so the
   weight comes from memory, as in a model step), minus a graph of the flushes alone: the GPU time
@@ -15,8 +17,9 @@ GEMV, tensor-core tiles and dequantize + cuBLAS, and torch's CUDA int4 kernel ("
 * Checking: a candidate whose result on the probe differs from the dequantized weight's float32
   matmul by more than rounding (2e-2 of the largest value for 16-bit activations, 1e-3 for
   float32) is dropped with a warning, never chosen.
-* Memory: a weight builds tinygemm's form only when it is timed or chosen; one whose timing did not
-  choose it drops it again.
+* Memory: a weight builds another form (tinygemm's, or the halves repacking, each half the size of
+  the packed weight or less) only when it is timed or chosen; one whose timing did not choose it
+  drops it again.
 
 M buckets are powers of two (a call runs the choice of the smallest bucket >= its M, timed at
 that bucket's M). ``choices()`` and ``timings()`` say what was chosen and why, for benchmarks.
@@ -33,7 +36,8 @@ import torch
 
 from nightshift.engine.quant.cpu_kernels import tinygemm_scales_and_zeros
 from nightshift.engine.quant.format import Int4Weight
-from nightshift.engine.quant.triton_int4 import KernelConfig, int4_dequantize, int4_gemv, int4_tiled
+from nightshift.engine.quant.triton_int4 import (KernelConfig, int4_dequantize, int4_gemv, int4_swapped, int4_tiled,
+                                                 repack_halves)
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +53,10 @@ TINYGEMM_GROUPS = (32, 64, 128, 256)
 @dataclass(eq=False)
 class KernelWeight(Int4Weight):
     """An INT4 weight on the GPU (engine/quant/format.py's packed ``qweight``, ``scales`` and
-    ``mins``) and tinygemm's form of it, built on demand."""
+    ``mins``) and the other forms some kernels read (tinygemm's; the swapped kernel's halves), built
+    on demand."""
     _tinygemm: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
+    _halves: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @classmethod
     def of(cls, weight: Int4Weight) -> "KernelWeight":
@@ -66,8 +72,18 @@ class KernelWeight(Int4Weight):
             self._tinygemm = (packed, tinygemm_scales_and_zeros(self, torch.bfloat16))
         return self._tinygemm
 
-    def drop_tinygemm_form(self) -> None:
-        self._tinygemm = None
+    def halves_form(self) -> torch.Tensor:
+        """The packed weight in ``repack_halves``' order (the swapped kernel's ``halves`` configs)."""
+        if self._halves is None:
+            self._halves = repack_halves(self.qweight)
+        return self._halves
+
+    def keep_forms(self, configs: list[KernelConfig]) -> None:
+        """Drop the forms no configuration in ``configs`` reads."""
+        if not any(c.method == "tinygemm" for c in configs):
+            self._tinygemm = None
+        if not any(c.method == "swapped" and c.halves for c in configs):
+            self._halves = None
 
 
 def tinygemm_applies(x: torch.Tensor, weight: KernelWeight) -> bool:
@@ -85,6 +101,9 @@ def run_config(x: torch.Tensor, weight: KernelWeight, config: KernelConfig) -> t
         return int4_gemv(x, *args, config)
     if config.method == "tiled":
         return int4_tiled(x, *args, config)
+    if config.method == "swapped":
+        qweight = weight.halves_form() if config.halves else weight.qweight
+        return int4_swapped(x, qweight, *args[1:], config)
     if config.method == "dequant":
         return torch.mm(x, int4_dequantize(*args, x.dtype).t())
     packed, scales_and_zeros = weight.tinygemm_form()
@@ -128,10 +147,48 @@ def candidates(m: int, group_size: int, tinygemm: bool = False) -> list[KernelCo
         for block_m, block_n, warps in ((64, 128, 4), (128, 128, 8), (128, 64, 4), (128, 256, 8)):
             found.append(KernelConfig("tiled", block_m=block_m, block_n=block_n, block_k=bk, split_k=1,
                                       num_warps=warps, num_stages=3))
+    found += _swapped_candidates(m, k_steps[-1])
     if m > 1:
         found.append(KernelConfig("dequant"))
     if tinygemm and m <= 64:
         found.append(KernelConfig("tinygemm"))
+    return found
+
+
+def _swapped_candidates(m: int, block_k: int) -> list[KernelConfig]:
+    """The swapped kernel's tiles for a step of m rows (the tensor cores' small dimension): 16 rows
+    up to 16, 32-64 up to 128, 64-256 beyond, each with split-K where the (N, M) tiles alone are too
+    few for the GPU's multiprocessors (a 4096-row weight makes 32 tiles of 128); the format's own
+    order with the exact bias trick (the fastest at 16 rows on an H200), the repacked halves (where
+    block_k is whole blocks of 64) with the weight dequantized in registers (at 32-128), and the
+    format's order dequantized (beyond). None at one row: the GEMV and tinygemm were faster on
+    every 8B shape there."""
+    found: list[KernelConfig] = []
+
+    def add(block_m: int, block_n: int, splits, warps: int, stages: int, forms) -> None:
+        for split in splits:
+            for halves, exact in forms:
+                if halves and block_k % 64:
+                    continue
+                found.append(KernelConfig("swapped", block_m=block_m, block_n=block_n, block_k=block_k,
+                                          split_k=split, num_warps=warps, num_stages=stages, halves=halves,
+                                          exact=exact))
+
+    if m == 1:
+        return found
+    if m <= 16:
+        add(16, 64, (1, 4, 8), 4, 4, ((False, True),))
+        add(16, 128, (2, 4), 4, 4, ((False, True),))
+        add(16, 64, (1, 4), 4, 4, ((True, True),))
+    elif m <= 128:
+        for block_n in (64, 128):
+            add(min(m, 64), block_n, (1, 2, 4), 4, 3, ((True, False), (False, True), (False, False)))
+    else:
+        forms = ((False, False), (True, False))
+        add(128, 128, (1, 2, 4), 8, 3, forms)
+        add(256, 128, (1, 2), 8, 3, forms)
+        add(64, 128, (1, 2), 4, 3, forms)
+        add(128, 64, (2, 4), 4, 3, forms)
     return found
 
 
@@ -231,9 +288,7 @@ def choose(x: torch.Tensor, weight: KernelWeight) -> KernelConfig:
     config = timed[0][1]
     _chosen[key] = config
     _timings[key] = timed
-    same_shape = [c for k, c in _chosen.items() if k[:5] == key[:5]]
-    if not any(c.method == "tinygemm" for c in same_shape):
-        weight.drop_tinygemm_form()
+    weight.keep_forms([c for k, c in _chosen.items() if k[:5] == key[:5]])
     return config
 
 

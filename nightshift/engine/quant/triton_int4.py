@@ -48,6 +48,7 @@ BIAS_F32_BITS = tl.constexpr(0x43000000)     # float32 bits of 128.0; q << 16 la
 BIAS_BF16_BITS = tl.constexpr(0x4300)        # bfloat16 bits of 128.0; q lands on the unit bit
 BIAS_F16 = tl.constexpr(1024.0)              # float16 bits 0x6400 = 1024.0, whose unit bit is bit 0
 BIAS_F16_BITS = tl.constexpr(0x6400)
+HALF = tl.constexpr(32)                      # repack_halves: byte j of 64 channels holds channels j and j + 32
 
 
 @triton.jit
@@ -212,6 +213,105 @@ def _int4_tiled_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, M, N, K,
 
 
 @triton.jit
+def _weight_tile(packed, scale, minimum, bias_bits, EXACT: tl.constexpr, DOT_FLOAT32: tl.constexpr,
+                 DTYPE: tl.constexpr):
+    """A tile of packed bytes -> (low-nibble tile, high-nibble tile) as the swapped kernel's A operand:
+    ``bias + q`` exactly (EXACT: scale and min applied to the step's partial sums) or ``q * s + min``
+    rounded once to the dot's dtype (chained straight into the accumulator)."""
+    if EXACT:
+        if DOT_FLOAT32:
+            word = packed.to(tl.uint32)
+            low = _biased_f32(word & 0xF)
+            high = _biased_f32(word >> 4)
+        else:
+            half = packed.to(tl.uint16)
+            low = ((half & 0xF) | bias_bits).to(tl.uint16).to(DTYPE, bitcast=True)
+            high = ((half >> 4) | bias_bits).to(tl.uint16).to(DTYPE, bitcast=True)
+    else:
+        low, high = _nibbles(packed)
+        low = low * scale[:, None] + minimum[:, None]
+        high = high * scale[:, None] + minimum[:, None]
+        if not DOT_FLOAT32:
+            low = low.to(DTYPE)
+            high = high.to(DTYPE)
+    return low, high
+
+
+@triton.jit
+def _int4_swapped_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, M, N, K,
+                         stride_xm, stride_qn, stride_sn, stride_ys, stride_ym,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         GROUP: tl.constexpr, SPLIT_K: tl.constexpr, HALVES: tl.constexpr,
+                         EXACT: tl.constexpr, DOT_FLOAT32: tl.constexpr):
+    """``y^T = W x^T`` in ``BLOCK_N x BLOCK_M`` tiles: the weight tile, made in registers from its
+    nibbles, is the dot's first operand (which the tensor cores take from registers) and the
+    activation's transposed tile the second, loaded straight into shared memory; the step's rows M
+    are the small dimension of the product (the tensor cores' N, 8-256), as in Marlin and vLLM's
+    swap-AB tiles. HALVES: the weight repacked by ``repack_halves`` (byte j of each 64 channels holds
+    channels j and j + 32), so the low and high nibbles are two dots against two contiguous runs of
+    the activation; otherwise the format's own order, the nibbles interleaved back in registers and
+    one dot. EXACT: the bias trick of ``int4_tiled``; otherwise the weight dequantized in registers."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rj = tl.arange(0, BLOCK_K // 2)
+    n_mask = rn < N
+    m_mask = rm < M
+    dtype = x_ptr.dtype.element_ty
+    if dtype == tl.float16 and not DOT_FLOAT32:
+        bias_bits = BIAS_F16_BITS
+        bias = BIAS_F16
+    else:
+        bias_bits = BIAS_BF16_BITS
+        bias = BIAS
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        packed = tl.load(qw_ptr + rn[:, None] * stride_qn + (k0 // 2 + rj)[None, :], mask=n_mask[:, None], other=0)
+        g = k0 // GROUP
+        scale = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        minimum = tl.load(m_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        low, high = _weight_tile(packed, scale, minimum, bias_bits, EXACT, DOT_FLOAT32, dtype)
+        if EXACT:
+            part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            part = acc
+        if HALVES:
+            k_low = k0 + (rj // HALF) * (2 * HALF) + rj % HALF
+            x_low = tl.load(x_ptr + rm[None, :] * stride_xm + k_low[:, None], mask=m_mask[None, :], other=0.0)
+            x_high = tl.load(x_ptr + rm[None, :] * stride_xm + (k_low + HALF)[:, None], mask=m_mask[None, :],
+                             other=0.0)
+            if DOT_FLOAT32:
+                x_low = x_low.to(tl.float32)
+                x_high = x_high.to(tl.float32)
+                part = tl.dot(low, x_low, part, input_precision="ieee")
+                part = tl.dot(high, x_high, part, input_precision="ieee")
+            else:
+                part = tl.dot(low, x_low, part)
+                part = tl.dot(high, x_high, part)
+            if EXACT:
+                xsum = tl.sum(x_low.to(tl.float32), axis=0) + tl.sum(x_high.to(tl.float32), axis=0)
+        else:
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=m_mask[None, :], other=0.0)
+            w = tl.interleave(low, high)
+            if DOT_FLOAT32:
+                x = x.to(tl.float32)
+                part = tl.dot(w, x, part, input_precision="ieee")
+            else:
+                part = tl.dot(w, x, part)
+            if EXACT:
+                xsum = tl.sum(x.to(tl.float32), axis=0)
+        if EXACT:
+            acc += part * scale[:, None] + (minimum - bias * scale)[:, None] * xsum[None, :]
+        else:
+            acc = part
+    y_ptrs = y_ptr + pid_k * stride_ys + rm[None, :] * stride_ym + rn[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
 def _int4_dequantize_kernel(qw_ptr, s_ptr, m_ptr, w_ptr, N, K, stride_qn, stride_sn, stride_wn,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -240,19 +340,26 @@ class KernelConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    halves: bool = False        # "swapped": the weight repacked by repack_halves (two dots per step)
+    exact: bool = True          # "swapped": the bias trick (else the weight dequantized in registers)
 
     def __post_init__(self) -> None:
-        if self.method not in ("gemv", "tiled", "dequant", "tinygemm"):
+        if self.method not in ("gemv", "tiled", "swapped", "dequant", "tinygemm"):
             raise ValueError(f"unknown INT4 method {self.method!r}")
         if self.block_k < 32:
             raise ValueError(f"block_k must be at least 32, got {self.block_k}")
+        if self.method == "swapped" and self.halves and self.block_k % 64:
+            raise ValueError(f"the repacked weight comes in blocks of 64 channels: block_k {self.block_k}")
 
     def describe(self) -> str:
         if self.method == "dequant":
             return "dequant+cuBLAS"
         if self.method == "tinygemm":
             return "torch tinygemm"
-        return (f"{self.method} m{self.block_m} n{self.block_n} k{self.block_k} split{self.split_k} "
+        form = ""
+        if self.method == "swapped":
+            form = (" halves" if self.halves else " interleaved") + (" exact" if self.exact else " dequant")
+        return (f"{self.method}{form} m{self.block_m} n{self.block_n} k{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}")
 
 
@@ -265,7 +372,7 @@ def _check(x: torch.Tensor, qweight: torch.Tensor, group_size: int, config: Kern
         raise ValueError(f"x must be [M, {qweight.shape[1] * 2}], got {tuple(x.shape)}")
     if config.method == "gemv" and config.block_k % group_size:
         raise ValueError(f"the GEMV's block_k {config.block_k} must be whole groups of {group_size}")
-    if config.method == "tiled" and group_size % config.block_k:
+    if config.method in ("tiled", "swapped") and group_size % config.block_k:
         raise ValueError(f"block_k {config.block_k} must divide the group size {group_size}")
 
 
@@ -315,6 +422,37 @@ def int4_tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
                              GROUP=group_size, SPLIT_K=config.split_k,
                              DOT_FLOAT32=x.dtype == torch.float32 or _interpreting(),
                              num_warps=config.num_warps, num_stages=config.num_stages)
+    return _reduce(y, x.dtype)
+
+
+def repack_halves(qweight: torch.Tensor) -> torch.Tensor:
+    """The format's ``[N, K/2]`` bytes (channel 2j low, 2j + 1 high) in the swapped kernel's order:
+    in each block of 64 channels byte j holds channel j in its low nibble and channel j + 32 in its
+    high one (K a multiple of 64), so a K step's low and high nibbles are each a contiguous run."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    if k % 64:
+        raise ValueError(f"repack_halves needs K a multiple of 64, got {k}")
+    channels = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(n, k // 64, 2, 32)
+    return (channels[:, :, 0] | (channels[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def int4_swapped(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                 group_size: int, config: KernelConfig) -> torch.Tensor:
+    """``x [M, K]`` times the INT4 weight -> ``[M, N]`` in x's dtype, computed as ``(W x^T)^T`` on
+    tensor-core tiles; ``qweight`` in ``repack_halves``' order when ``config.halves``."""
+    _check(x, qweight, group_size, config)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    n = qweight.shape[0]
+    y = _split_output(m, n, config.split_k, x)
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
+    _int4_swapped_kernel[grid](x, qweight, scales, mins, y, m, n, k, x.stride(0), qweight.stride(0),
+                               scales.stride(0), y.stride(0), y.stride(1),
+                               BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                               GROUP=group_size, SPLIT_K=config.split_k, HALVES=config.halves, EXACT=config.exact,
+                               DOT_FLOAT32=x.dtype == torch.float32 or _interpreting(),
+                               num_warps=config.num_warps, num_stages=config.num_stages)
     return _reduce(y, x.dtype)
 
 
