@@ -47,7 +47,7 @@ stage() {  # stage NAME SECONDS CMD...
 for s in "$@"; do
   case $s in
     env) stage env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())'" ;;
-    kernels) stage kernels 150 $PY -m pytest -q -s -p no:cacheprovider tests/engine/quant/test_triton_int4.py \
+    kernels) stage kernels 400 $PY -m pytest -q -s -p no:cacheprovider tests/engine/quant/test_triton_int4.py \
         tests/engine/test_cuda_graphs.py tests/engine/kernels ;;
     int4-kernels) stage int4-kernels 100 $PY -m bench.quant_kernels --device cuda --shapes llama-8b ;;
     roofline-8b)

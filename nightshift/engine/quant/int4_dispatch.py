@@ -5,10 +5,9 @@ reads the weight once and does almost no arithmetic; a 2k-token prefill is compu
 the weight's shape and on the GPU. So, as vLLM's and gemlite's autotuners do, the first call of
 each (device, N, K, group, dtype, M bucket) runs every candidate on that shape and keeps the
 fastest; later calls of the bucket run it directly. The candidates: engine/quant/triton_int4.py's
-GEMV, tensor-core tiles (the activation as the first operand, or swapped: the weight's tile first,
-in the format's order or repacked into halves) and dequantize + cuBLAS, and torch's CUDA int4
-kernel ("tinygemm", ``_weight_int4pack_mm``, bfloat16 only), which needs the weight in its own
-packed form.
+GEMV, tensor-core tiles (the activation's tile as the dot's first operand, or swapped: the
+weight's) and dequantize + cuBLAS, and torch's CUDA int4 kernel ("tinygemm",
+``_weight_int4pack_mm``, bfloat16 only), which needs the weight in its own packed form.
 
 * Timing: a CUDA graph of several runs, each after a write of 256 MB that flushes the L2 (so the
   weight comes from memory, as in a model step), minus a graph of the flushes alone: the GPU time
@@ -17,9 +16,8 @@ packed form.
 * Checking: a candidate whose result on the probe differs from the dequantized weight's float32
   matmul by more than rounding (2e-2 of the largest value for 16-bit activations, 1e-3 for
   float32) is dropped with a warning, never chosen.
-* Memory: a weight builds another form (tinygemm's, or the halves repacking, each half the size of
-  the packed weight or less) only when it is timed or chosen; one whose timing did not choose it
-  drops it again.
+* Memory: a weight builds tinygemm's form only when it is timed or chosen; one whose timing did not
+  choose it drops it again.
 
 M buckets are powers of two (a call runs the choice of the smallest bucket >= its M, timed at
 that bucket's M). ``choices()`` and ``timings()`` say what was chosen and why, for benchmarks.
@@ -36,8 +34,7 @@ import torch
 
 from nightshift.engine.quant.cpu_kernels import tinygemm_scales_and_zeros
 from nightshift.engine.quant.format import Int4Weight
-from nightshift.engine.quant.triton_int4 import (KernelConfig, int4_dequantize, int4_gemv, int4_swapped, int4_tiled,
-                                                 repack_halves)
+from nightshift.engine.quant.triton_int4 import KernelConfig, int4_dequantize, int4_gemv, int4_swapped, int4_tiled
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +50,8 @@ TINYGEMM_GROUPS = (32, 64, 128, 256)
 @dataclass(eq=False)
 class KernelWeight(Int4Weight):
     """An INT4 weight on the GPU (engine/quant/format.py's packed ``qweight``, ``scales`` and
-    ``mins``) and the other forms some kernels read (tinygemm's; the swapped kernel's halves), built
-    on demand."""
+    ``mins``) and tinygemm's form of it, built on demand."""
     _tinygemm: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)
-    _halves: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @classmethod
     def of(cls, weight: Int4Weight) -> "KernelWeight":
@@ -72,18 +67,8 @@ class KernelWeight(Int4Weight):
             self._tinygemm = (packed, tinygemm_scales_and_zeros(self, torch.bfloat16))
         return self._tinygemm
 
-    def halves_form(self) -> torch.Tensor:
-        """The packed weight in ``repack_halves``' order (the swapped kernel's ``halves`` configs)."""
-        if self._halves is None:
-            self._halves = repack_halves(self.qweight)
-        return self._halves
-
-    def keep_forms(self, configs: list[KernelConfig]) -> None:
-        """Drop the forms no configuration in ``configs`` reads."""
-        if not any(c.method == "tinygemm" for c in configs):
-            self._tinygemm = None
-        if not any(c.method == "swapped" and c.halves for c in configs):
-            self._halves = None
+    def drop_tinygemm_form(self) -> None:
+        self._tinygemm = None
 
 
 def tinygemm_applies(x: torch.Tensor, weight: KernelWeight) -> bool:
@@ -102,8 +87,7 @@ def run_config(x: torch.Tensor, weight: KernelWeight, config: KernelConfig) -> t
     if config.method == "tiled":
         return int4_tiled(x, *args, config)
     if config.method == "swapped":
-        qweight = weight.halves_form() if config.halves else weight.qweight
-        return int4_swapped(x, qweight, *args[1:], config)
+        return int4_swapped(x, *args, config)
     if config.method == "dequant":
         return torch.mm(x, int4_dequantize(*args, x.dtype).t())
     packed, scales_and_zeros = weight.tinygemm_form()
@@ -158,37 +142,31 @@ def candidates(m: int, group_size: int, tinygemm: bool = False) -> list[KernelCo
 def _swapped_candidates(m: int, block_k: int) -> list[KernelConfig]:
     """The swapped kernel's tiles for a step of m rows (the tensor cores' small dimension): 16 rows
     up to 16, 32-64 up to 128, 64-256 beyond, each with split-K where the (N, M) tiles alone are too
-    few for the GPU's multiprocessors (a 4096-row weight makes 32 tiles of 128); the format's own
-    order with the exact bias trick (the fastest at 16 rows on an H200), the repacked halves (where
-    block_k is whole blocks of 64) with the weight dequantized in registers (at 32-128), and the
-    format's order dequantized (beyond). None at one row: the GEMV and tinygemm were faster on
-    every 8B shape there."""
+    few for the GPU's multiprocessors (a 4096-row weight makes 32 tiles of 128); the exact bias trick
+    up to 16 rows (where it was the fastest on an H200), the weight dequantized in registers beyond
+    (and both at 32-128). None at one row: the GEMV and tinygemm were faster on every 8B shape."""
     found: list[KernelConfig] = []
 
-    def add(block_m: int, block_n: int, splits, warps: int, stages: int, forms) -> None:
+    def add(block_m: int, block_n: int, splits, warps: int, exact_forms) -> None:
         for split in splits:
-            for halves, exact in forms:
-                if halves and block_k % 64:
-                    continue
+            for exact in exact_forms:
                 found.append(KernelConfig("swapped", block_m=block_m, block_n=block_n, block_k=block_k,
-                                          split_k=split, num_warps=warps, num_stages=stages, halves=halves,
+                                          split_k=split, num_warps=warps, num_stages=4 if m <= 16 else 3,
                                           exact=exact))
 
     if m == 1:
         return found
     if m <= 16:
-        add(16, 64, (1, 4, 8), 4, 4, ((False, True),))
-        add(16, 128, (2, 4), 4, 4, ((False, True),))
-        add(16, 64, (1, 4), 4, 4, ((True, True),))
+        add(16, 64, (1, 4, 8), 4, (True,))
+        add(16, 128, (2, 4), 4, (True,))
     elif m <= 128:
         for block_n in (64, 128):
-            add(min(m, 64), block_n, (1, 2, 4), 4, 3, ((True, False), (False, True), (False, False)))
+            add(min(m, 64), block_n, (1, 2, 4), 4, (False, True))
     else:
-        forms = ((False, False), (True, False))
-        add(128, 128, (1, 2, 4), 8, 3, forms)
-        add(256, 128, (1, 2), 8, 3, forms)
-        add(64, 128, (1, 2), 4, 3, forms)
-        add(128, 64, (2, 4), 4, 3, forms)
+        add(128, 128, (1, 2, 4), 8, (False,))
+        add(256, 128, (1, 2), 8, (False,))
+        add(64, 128, (1, 2), 4, (False,))
+        add(128, 64, (2, 4), 4, (False,))
     return found
 
 
@@ -288,7 +266,9 @@ def choose(x: torch.Tensor, weight: KernelWeight) -> KernelConfig:
     config = timed[0][1]
     _chosen[key] = config
     _timings[key] = timed
-    weight.keep_forms([c for k, c in _chosen.items() if k[:5] == key[:5]])
+    same_shape = [c for k, c in _chosen.items() if k[:5] == key[:5]]
+    if not any(c.method == "tinygemm" for c in same_shape):
+        weight.drop_tinygemm_form()
     return config
 
 

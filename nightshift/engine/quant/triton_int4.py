@@ -1,4 +1,4 @@
-"""Triton kernels for our INT4 format (CUDA path of Int4Linear): three ways to compute ``x @ W.T``.
+"""Triton kernels for our INT4 format (CUDA path of Int4Linear): four ways to compute ``x @ W.T``.
 
 ``W[n, k] = q[n, k] * scale[n, k // G] + min[n, k // G]`` is read from the packed uint8 ``[N, K/2]``
 weight (engine/quant/format.py: channel ``2j`` in the low nibble of byte ``j``, ``2j + 1`` in the
@@ -15,6 +15,14 @@ step size (engine/quant/int4_dispatch.py):
   even and odd channels are two dots against the activation tile's even and odd columns (loaded
   contiguously, split in registers), and the step's scale and min are applied to the partial tile.
   Split-K for small M (decode batches), where the (M, N) tiles alone are too few to fill the GPU.
+* ``int4_swapped``: ``y^T = W x^T`` in ``BLOCK_N x BLOCK_M`` tiles, the swap-AB of Marlin and
+  vLLM's small-batch GEMMs: the weight tile, made from its nibbles in registers (the nibbles
+  interleaved back to channel order), is the dot's first operand, which the tensor cores read from
+  registers, and the activation's transposed tile the second; a decode batch's rows are the
+  product's small dimension (the tensor cores' N, 8-256) instead of padding a 64-row one. Either
+  the bias trick (``exact``) or the weight dequantized in registers and rounded once to the dot's
+  dtype, chained into one accumulator; split-K as above. On an H200 it is the fastest at 16-128
+  rows on the 8B shapes and for the 28672-row gate_up up to 256.
 * ``int4_dequantize`` + cuBLAS: the whole weight dequantized once per call into a scratch matrix of
   the activation dtype, then one dense matmul: for large M (prefill) the GEMM is compute-bound
   and cuBLAS's is the fastest there is; the dequantization is one memory-bound pass.
@@ -48,7 +56,6 @@ BIAS_F32_BITS = tl.constexpr(0x43000000)     # float32 bits of 128.0; q << 16 la
 BIAS_BF16_BITS = tl.constexpr(0x4300)        # bfloat16 bits of 128.0; q lands on the unit bit
 BIAS_F16 = tl.constexpr(1024.0)              # float16 bits 0x6400 = 1024.0, whose unit bit is bit 0
 BIAS_F16_BITS = tl.constexpr(0x6400)
-HALF = tl.constexpr(32)                      # repack_halves: byte j of 64 channels holds channels j and j + 32
 
 
 @triton.jit
@@ -241,16 +248,18 @@ def _weight_tile(packed, scale, minimum, bias_bits, EXACT: tl.constexpr, DOT_FLO
 def _int4_swapped_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, M, N, K,
                          stride_xm, stride_qn, stride_sn, stride_ys, stride_ym,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         GROUP: tl.constexpr, SPLIT_K: tl.constexpr, HALVES: tl.constexpr,
-                         EXACT: tl.constexpr, DOT_FLOAT32: tl.constexpr):
+                         GROUP: tl.constexpr, SPLIT_K: tl.constexpr, EXACT: tl.constexpr,
+                         DOT_FLOAT32: tl.constexpr):
     """``y^T = W x^T`` in ``BLOCK_N x BLOCK_M`` tiles: the weight tile, made in registers from its
     nibbles, is the dot's first operand (which the tensor cores take from registers) and the
     activation's transposed tile the second, loaded straight into shared memory; the step's rows M
     are the small dimension of the product (the tensor cores' N, 8-256), as in Marlin and vLLM's
-    swap-AB tiles. HALVES: the weight repacked by ``repack_halves`` (byte j of each 64 channels holds
-    channels j and j + 32), so the low and high nibbles are two dots against two contiguous runs of
-    the activation; otherwise the format's own order, the nibbles interleaved back in registers and
-    one dot. EXACT: the bias trick of ``int4_tiled``; otherwise the weight dequantized in registers."""
+    swap-AB tiles. The nibbles are interleaved back to channel order in registers (each byte holds
+    two neighbouring channels, which the operand's registers hold side by side) and the tile is one
+    dot against the activation's contiguous ``[BLOCK_K, BLOCK_M]`` tile. EXACT: the bias trick of
+    ``int4_tiled`` (scale and min applied to the step's partial tile, best at 16 rows on an H200);
+    otherwise the weight dequantized in registers and chained into the accumulator (32 rows and
+    up)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -277,33 +286,15 @@ def _int4_swapped_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, M, N, K,
             part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
             part = acc
-        if HALVES:
-            k_low = k0 + (rj // HALF) * (2 * HALF) + rj % HALF
-            x_low = tl.load(x_ptr + rm[None, :] * stride_xm + k_low[:, None], mask=m_mask[None, :], other=0.0)
-            x_high = tl.load(x_ptr + rm[None, :] * stride_xm + (k_low + HALF)[:, None], mask=m_mask[None, :],
-                             other=0.0)
-            if DOT_FLOAT32:
-                x_low = x_low.to(tl.float32)
-                x_high = x_high.to(tl.float32)
-                part = tl.dot(low, x_low, part, input_precision="ieee")
-                part = tl.dot(high, x_high, part, input_precision="ieee")
-            else:
-                part = tl.dot(low, x_low, part)
-                part = tl.dot(high, x_high, part)
-            if EXACT:
-                xsum = tl.sum(x_low.to(tl.float32), axis=0) + tl.sum(x_high.to(tl.float32), axis=0)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=m_mask[None, :], other=0.0)
+        w = tl.interleave(low, high)
+        if DOT_FLOAT32:
+            part = tl.dot(w, x.to(tl.float32), part, input_precision="ieee")
         else:
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rm[None, :] * stride_xm + rk[:, None], mask=m_mask[None, :], other=0.0)
-            w = tl.interleave(low, high)
-            if DOT_FLOAT32:
-                x = x.to(tl.float32)
-                part = tl.dot(w, x, part, input_precision="ieee")
-            else:
-                part = tl.dot(w, x, part)
-            if EXACT:
-                xsum = tl.sum(x.to(tl.float32), axis=0)
+            part = tl.dot(w, x, part)
         if EXACT:
+            xsum = tl.sum(x.to(tl.float32), axis=0)
             acc += part * scale[:, None] + (minimum - bias * scale)[:, None] * xsum[None, :]
         else:
             acc = part
@@ -340,7 +331,6 @@ class KernelConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    halves: bool = False        # "swapped": the weight repacked by repack_halves (two dots per step)
     exact: bool = True          # "swapped": the bias trick (else the weight dequantized in registers)
 
     def __post_init__(self) -> None:
@@ -348,8 +338,6 @@ class KernelConfig:
             raise ValueError(f"unknown INT4 method {self.method!r}")
         if self.block_k < 32:
             raise ValueError(f"block_k must be at least 32, got {self.block_k}")
-        if self.method == "swapped" and self.halves and self.block_k % 64:
-            raise ValueError(f"the repacked weight comes in blocks of 64 channels: block_k {self.block_k}")
 
     def describe(self) -> str:
         if self.method == "dequant":
@@ -358,7 +346,7 @@ class KernelConfig:
             return "torch tinygemm"
         form = ""
         if self.method == "swapped":
-            form = (" halves" if self.halves else " interleaved") + (" exact" if self.exact else " dequant")
+            form = " exact" if self.exact else " dequant"
         return (f"{self.method}{form} m{self.block_m} n{self.block_n} k{self.block_k} split{self.split_k} "
                 f"w{self.num_warps} s{self.num_stages}")
 
@@ -425,21 +413,10 @@ def int4_tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, min
     return _reduce(y, x.dtype)
 
 
-def repack_halves(qweight: torch.Tensor) -> torch.Tensor:
-    """The format's ``[N, K/2]`` bytes (channel 2j low, 2j + 1 high) in the swapped kernel's order:
-    in each block of 64 channels byte j holds channel j in its low nibble and channel j + 32 in its
-    high one (K a multiple of 64), so a K step's low and high nibbles are each a contiguous run."""
-    n, k = qweight.shape[0], qweight.shape[1] * 2
-    if k % 64:
-        raise ValueError(f"repack_halves needs K a multiple of 64, got {k}")
-    channels = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(n, k // 64, 2, 32)
-    return (channels[:, :, 0] | (channels[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-
-
 def int4_swapped(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  group_size: int, config: KernelConfig) -> torch.Tensor:
     """``x [M, K]`` times the INT4 weight -> ``[M, N]`` in x's dtype, computed as ``(W x^T)^T`` on
-    tensor-core tiles; ``qweight`` in ``repack_halves``' order when ``config.halves``."""
+    tensor-core tiles."""
     _check(x, qweight, group_size, config)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -450,7 +427,7 @@ def int4_swapped(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     _int4_swapped_kernel[grid](x, qweight, scales, mins, y, m, n, k, x.stride(0), qweight.stride(0),
                                scales.stride(0), y.stride(0), y.stride(1),
                                BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                               GROUP=group_size, SPLIT_K=config.split_k, HALVES=config.halves, EXACT=config.exact,
+                               GROUP=group_size, SPLIT_K=config.split_k, EXACT=config.exact,
                                DOT_FLOAT32=x.dtype == torch.float32 or _interpreting(),
                                num_warps=config.num_warps, num_stages=config.num_stages)
     return _reduce(y, x.dtype)

@@ -25,9 +25,9 @@ G, D = KernelConfig("gemv", block_m=1, block_n=16, block_k=32, split_k=3, num_wa
 tiled = [KernelConfig("tiled", block_m=16, block_n=32, block_k=32, split_k=1),
          KernelConfig("tiled", block_m=16, block_n=32, block_k=32, split_k=4),
          KernelConfig("tiled", block_m=32, block_n=64, block_k=64, split_k=2)]
-swapped = [KernelConfig("swapped", block_m=16, block_n=32, block_k=64, halves=True),       # repacked, bias trick
-           KernelConfig("swapped", block_m=16, block_n=32, block_k=64, split_k=2, halves=True, exact=False),
-           KernelConfig("swapped", block_m=16, block_n=32, block_k=32, split_k=3),           # the format's order
+swapped = [KernelConfig("swapped", block_m=16, block_n=32, block_k=64),                     # the bias trick
+           KernelConfig("swapped", block_m=16, block_n=32, block_k=64, split_k=2, exact=False),  # dequantized
+           KernelConfig("swapped", block_m=16, block_n=32, block_k=32, split_k=3),
            KernelConfig("swapped", block_m=32, block_n=16, block_k=64, exact=False)]
 cases = [  # m, n, k, group, dtype, configs, tolerance (relative to max |ref|)
     (1, 48, 128, 32, torch.float32, [G, tiled[0], D], 1e-5),            # a decode row, split-K 3 over 4 groups
@@ -140,37 +140,9 @@ def test_kernel_configs_and_candidates():
         for group in (32, 64, 128):
             found = candidates(m, group, tinygemm=True)
             assert found and all(group % c.block_k == 0 for c in found if c.method in ("tiled", "swapped"))
-            assert all(c.block_k % 64 == 0 for c in found if c.method == "swapped" and c.halves)
-            assert any(c.method == "swapped" and c.halves for c in found) == (group >= 64 and m > 1)
+            assert any(c.method == "swapped" for c in found) == (m > 1)
             assert all(c.block_k % group == 0 for c in found if c.method == "gemv")
             assert any(c.method == "gemv" for c in found) == (m == 1)
             assert any(c.method == "dequant" for c in found) == (m > 1)
             assert any(c.method == "tinygemm" for c in found) == (m <= 64)
     assert not any(c.method == "tinygemm" for c in candidates(1, 128))
-    with pytest.raises(ValueError, match="blocks of 64"):
-        KernelConfig("swapped", block_k=32, halves=True)
-
-
-def test_repack_halves_and_forms_kept():
-    """The swapped kernel's repacking: in each 64 channels, byte j = channel j | channel j + 32 << 4;
-    a weight keeps a form only while a chosen configuration reads it."""
-    from nightshift.engine.quant.format import quantize_rtn
-    from nightshift.engine.quant.int4_dispatch import KernelWeight
-    from nightshift.engine.quant.triton_int4 import KernelConfig, repack_halves
-    int4 = quantize_rtn(torch.randn(3, 192), 64)
-    q = torch.stack((int4.qweight & 0xF, int4.qweight >> 4), dim=-1).reshape(3, 192)   # channel order
-    packed = repack_halves(int4.qweight)
-    assert packed.shape == int4.qweight.shape and packed.dtype == torch.uint8
-    for row in range(3):
-        for block in range(3):
-            for j in range(32):
-                byte = int(packed[row, block * 32 + j])
-                assert byte & 0xF == q[row, block * 64 + j] and byte >> 4 == q[row, block * 64 + 32 + j]
-    with pytest.raises(ValueError, match="multiple of 64"):
-        repack_halves(quantize_rtn(torch.randn(3, 96), 32).qweight)
-    w = KernelWeight.of(int4)
-    assert torch.equal(w.halves_form(), packed) and w.halves_form() is w.halves_form()
-    w.keep_forms([KernelConfig("swapped", block_k=64, halves=True), KernelConfig("gemv", block_k=64)])
-    assert w._halves is not None
-    w.keep_forms([KernelConfig("swapped", block_k=64), KernelConfig("dequant")])
-    assert w._halves is None and w._tinygemm is None
