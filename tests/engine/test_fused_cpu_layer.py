@@ -68,9 +68,17 @@ def test_fused_layers_follow_float32_as_closely_as_the_torch_layers(bf16_model, 
     torch_layers = schedule(runner, None, prompts, forced)
     reference = schedule(ModelRunner(fp32_model, num_kv_blocks=40, block_size=16), None, prompts, forced)
     assert kl(fused, reference) <= 1.25 * kl(torch_layers, reference), (kl(fused, reference), kl(torch_layers, reference))
-    top1 = {name: (x.argmax(-1) == reference.argmax(-1)).float().mean().item()
-            for name, x in (("fused", fused), ("torch", torch_layers))}
-    assert top1["fused"] >= top1["torch"] - 0.05, top1
+    # the float32 top-1 wherever float32 leads by more than 0.25 (two bfloat16 steps at these logits,
+    # ~15-30: both bf16 forms round the LM head's output to bfloat16, so a smaller lead can become an
+    # exact tie, broken by index). On a 2-core AMX Xeon the fused form's top-1 differed on 5 of 53
+    # random-token rows, each an exact tie in its bfloat16 logits at a float32 lead of 0.05-0.10 (the
+    # torch layers' on 1, also a tie), which the rule before (a top-1 share within 5 points of the
+    # torch layers') did not allow
+    top2 = reference.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.25
+    assert clear.sum() >= 20, clear.sum()
+    for name, x in (("fused", fused), ("torch", torch_layers)):
+        assert torch.equal(x.argmax(-1)[clear], reference.argmax(-1)[clear]), name
 
 
 def test_a_rows_logits_do_not_depend_on_the_rows_beside_it(bf16_model):
