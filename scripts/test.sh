@@ -7,6 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
-# two workers (tests/conftest.py keeps the service and bench tests on one of them, in order); the
-# slowest cases listed: keep the suite short
-python -m pytest -q -n "${NIGHTSHIFT_TEST_WORKERS:-2}" --dist loadgroup --durations=25 "$@"
+python -m pytest -q --durations=25 "$@"   # the slowest cases listed: keep the suite short

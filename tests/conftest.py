@@ -24,21 +24,6 @@ if not torch.cuda.is_available():
 # then wait on each other (measured: a 1-token decode step 0.16 s on 1 thread, 0.7 s on 2).
 torch.set_num_threads(int(os.environ.get("NIGHTSHIFT_TEST_THREADS", "1")))
 
-# scripts/test.sh runs the suite on two pytest-xdist workers (--dist loadgroup). The tests that
-# start services (Celery workers, the API, moto, Postgres databases), share Redis's databases (7
-# for the service tests, 5 for bench's) or time a pipeline run one after another on one worker, as
-# before; the engine and unit tests (no services, one torch thread each) run beside them.
-SERIAL_GROUP = "services"
-SERIAL_DIRS = ("service", "bench")
-TESTS = Path(__file__).resolve().parent
-
-
-def pytest_collection_modifyitems(config, items):  # noqa: ANN001 - pytest's hook signature
-    for item in items:
-        parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
-        if parts[0] in SERIAL_DIRS:
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
-
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
