@@ -394,43 +394,38 @@ def int4_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins
     return _reduce(y, x.dtype)
 
 
-def int4_tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-               group_size: int, config: KernelConfig) -> torch.Tensor:
-    """``x [M, K]`` times the INT4 weight -> ``[M, N]`` in x's dtype, on tensor-core tiles."""
+def _tiles(kernel, swapped: bool, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+           mins: torch.Tensor, group_size: int, config: KernelConfig, **constants) -> torch.Tensor:
+    """Launch a tensor-core tile kernel (its grid (M tiles, N tiles, split) or, swapped, (N tiles,
+    M tiles, split)) and sum its split-K partials."""
     _check(x, qweight, group_size, config)
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
     n = qweight.shape[0]
     y = _split_output(m, n, config.split_k, x)
-    grid = (triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n), config.split_k)
-    _int4_tiled_kernel[grid](x, qweight, scales, mins, y, m, n, k, x.stride(0), qweight.stride(0),
-                             scales.stride(0), y.stride(0), y.stride(1),
-                             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                             GROUP=group_size, SPLIT_K=config.split_k,
-                             DOT_FLOAT32=x.dtype == torch.float32 or _interpreting(),
-                             num_warps=config.num_warps, num_stages=config.num_stages)
+    m_tiles, n_tiles = triton.cdiv(m, config.block_m), triton.cdiv(n, config.block_n)
+    grid = (n_tiles, m_tiles, config.split_k) if swapped else (m_tiles, n_tiles, config.split_k)
+    kernel[grid](x, qweight, scales, mins, y, m, n, k, x.stride(0), qweight.stride(0),
+                 scales.stride(0), y.stride(0), y.stride(1),
+                 BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                 GROUP=group_size, SPLIT_K=config.split_k,
+                 DOT_FLOAT32=x.dtype == torch.float32 or _interpreting(),
+                 num_warps=config.num_warps, num_stages=config.num_stages, **constants)
     return _reduce(y, x.dtype)
+
+
+def int4_tiled(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+               group_size: int, config: KernelConfig) -> torch.Tensor:
+    """``x [M, K]`` times the INT4 weight -> ``[M, N]`` in x's dtype, on tensor-core tiles."""
+    return _tiles(_int4_tiled_kernel, False, x, qweight, scales, mins, group_size, config)
 
 
 def int4_swapped(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
                  group_size: int, config: KernelConfig) -> torch.Tensor:
     """``x [M, K]`` times the INT4 weight -> ``[M, N]`` in x's dtype, computed as ``(W x^T)^T`` on
     tensor-core tiles."""
-    _check(x, qweight, group_size, config)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    n = qweight.shape[0]
-    y = _split_output(m, n, config.split_k, x)
-    grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), config.split_k)
-    _int4_swapped_kernel[grid](x, qweight, scales, mins, y, m, n, k, x.stride(0), qweight.stride(0),
-                               scales.stride(0), y.stride(0), y.stride(1),
-                               BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                               GROUP=group_size, SPLIT_K=config.split_k, EXACT=config.exact,
-                               DOT_FLOAT32=x.dtype == torch.float32 or _interpreting(),
-                               num_warps=config.num_warps, num_stages=config.num_stages)
-    return _reduce(y, x.dtype)
+    return _tiles(_int4_swapped_kernel, True, x, qweight, scales, mins, group_size, config, EXACT=config.exact)
 
 
 def int4_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
