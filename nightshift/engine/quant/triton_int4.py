@@ -165,64 +165,9 @@ def _int4_gemv_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, N, K, stride_qn, strid
 
 
 @triton.jit
-def _int4_tiled_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, M, N, K,
-                       stride_xm, stride_qn, stride_sn, stride_ys, stride_ym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP: tl.constexpr, SPLIT_K: tl.constexpr, DOT_FLOAT32: tl.constexpr):
-    """``BLOCK_M x BLOCK_N`` tiles on the tensor cores. The weight tile is not dequantized: its
-    nibbles become ``128 + q`` in the dot's dtype by bit operations (bfloat16 ``0x4300 | q``, float16
-    ``0x6400 | q`` = ``1024 + q``, float32 as in the GEMV), exact in every one; the even and odd
-    channels are two dots against the activation's even and odd columns (no interleaving), and the
-    step's scale and min are applied to the step's partial tile: ``s * dot + (min - bias s) sum x``."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rj = tl.arange(0, BLOCK_K // 2)
-    m_mask = rm < M
-    n_mask = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
-        j = k0 // 2 + rj
-        packed = tl.load(qw_ptr + rn[:, None] * stride_qn + j[None, :], mask=n_mask[:, None], other=0)
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_mask[:, None], other=0.0)
-        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))   # contiguous load, split in registers
-        g = k0 // GROUP
-        scale = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-        minimum = tl.load(m_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
-        if DOT_FLOAT32:
-            word = packed.to(tl.uint32)
-            low = _biased_f32(word & 0xF)
-            high = _biased_f32(word >> 4)
-            x_even = x_even.to(tl.float32)
-            x_odd = x_odd.to(tl.float32)
-            part = tl.dot(x_even, tl.trans(low), input_precision="ieee")
-            part = tl.dot(x_odd, tl.trans(high), part, input_precision="ieee")
-            bias = BIAS
-        else:
-            half = packed.to(tl.uint16)
-            if x_ptr.dtype.element_ty == tl.bfloat16:
-                bits = BIAS_BF16_BITS
-                bias = BIAS
-            else:
-                bits = BIAS_F16_BITS
-                bias = BIAS_F16
-            low = ((half & 0xF) | bits).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
-            high = ((half >> 4) | bits).to(tl.uint16).to(x_ptr.dtype.element_ty, bitcast=True)
-            part = tl.dot(x_even, tl.trans(low))
-            part = tl.dot(x_odd, tl.trans(high), part)
-        xsum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
-        acc += part * scale[None, :] + xsum[:, None] * (minimum - bias * scale)[None, :]
-    y_ptrs = y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
 def _weight_tile(packed, scale, minimum, bias_bits, EXACT: tl.constexpr, DOT_FLOAT32: tl.constexpr,
                  DTYPE: tl.constexpr):
-    """A tile of packed bytes -> (low-nibble tile, high-nibble tile) as the swapped kernel's A operand:
+    """A tile of packed bytes -> (low-nibble tile, high-nibble tile), a tile kernel's weight operand:
     ``bias + q`` exactly (EXACT: scale and min applied to the step's partial sums) or ``q * s + min``
     rounded once to the dot's dtype (chained straight into the accumulator)."""
     if EXACT:
@@ -242,6 +187,56 @@ def _weight_tile(packed, scale, minimum, bias_bits, EXACT: tl.constexpr, DOT_FLO
             low = low.to(DTYPE)
             high = high.to(DTYPE)
     return low, high
+
+
+@triton.jit
+def _int4_tiled_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, M, N, K,
+                       stride_xm, stride_qn, stride_sn, stride_ys, stride_ym,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP: tl.constexpr, SPLIT_K: tl.constexpr, DOT_FLOAT32: tl.constexpr):
+    """``BLOCK_M x BLOCK_N`` tiles on the tensor cores. The weight tile is not dequantized: its
+    nibbles become ``128 + q`` in the dot's dtype by bit operations (bfloat16 ``0x4300 | q``, float16
+    ``0x6400 | q`` = ``1024 + q``, float32 as in the GEMV), exact in every one; the even and odd
+    channels are two dots against the activation's even and odd columns (no interleaving), and the
+    step's scale and min are applied to the step's partial tile: ``s * dot + (min - bias s) sum x``."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rj = tl.arange(0, BLOCK_K // 2)
+    m_mask = rm < M
+    n_mask = rn < N
+    dtype = x_ptr.dtype.element_ty
+    if dtype == tl.float16 and not DOT_FLOAT32:   # the bias trick's bits and value in the dot's dtype
+        bias_bits = BIAS_F16_BITS
+        bias = BIAS_F16
+    else:
+        bias_bits = BIAS_BF16_BITS
+        bias = BIAS
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(pid_k * BLOCK_K, K, BLOCK_K * SPLIT_K):
+        j = k0 // 2 + rj
+        packed = tl.load(qw_ptr + rn[:, None] * stride_qn + j[None, :], mask=n_mask[:, None], other=0)
+        rk = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=m_mask[:, None], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))   # contiguous load, split in registers
+        g = k0 // GROUP
+        scale = tl.load(s_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        minimum = tl.load(m_ptr + rn * stride_sn + g, mask=n_mask, other=0.0).to(tl.float32)
+        low, high = _weight_tile(packed, scale, minimum, bias_bits, True, DOT_FLOAT32, dtype)
+        if DOT_FLOAT32:
+            x_even = x_even.to(tl.float32)
+            x_odd = x_odd.to(tl.float32)
+            part = tl.dot(x_even, tl.trans(low), input_precision="ieee")
+            part = tl.dot(x_odd, tl.trans(high), part, input_precision="ieee")
+        else:
+            part = tl.dot(x_even, tl.trans(low))
+            part = tl.dot(x_odd, tl.trans(high), part)
+        xsum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
+        acc += part * scale[None, :] + xsum[:, None] * (minimum - bias * scale)[None, :]
+    y_ptrs = y_ptr + pid_k * stride_ys + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -269,7 +264,7 @@ def _int4_swapped_kernel(x_ptr, qw_ptr, s_ptr, m_ptr, y_ptr, M, N, K,
     n_mask = rn < N
     m_mask = rm < M
     dtype = x_ptr.dtype.element_ty
-    if dtype == tl.float16 and not DOT_FLOAT32:
+    if dtype == tl.float16 and not DOT_FLOAT32:   # the bias trick's bits and value in the dot's dtype
         bias_bits = BIAS_F16_BITS
         bias = BIAS_F16
     else:
