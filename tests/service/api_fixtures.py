@@ -75,6 +75,16 @@ class Service:
         path = self.log_dir / f"{name}.log"
         return path.read_text(errors="replace")[-4000:] if path.exists() else ""
 
+    def logs(self) -> str:
+        """The tail of every log this service wrote, for a failure message: each process it
+        started and, under an embedded home (`nightshift serve`), each worker's log there."""
+        paths = [self.log_dir / f"{name}.log" for name in self.procs]
+        home = self.env.get("NIGHTSHIFT_HOME")
+        if home:
+            paths += sorted((Path(home) / "logs").glob("*.log"))
+        return "\n".join(f"--- {path.name} ---\n{path.read_text(errors='replace')[-4000:]}"
+                         for path in paths if path.exists())
+
     def stop(self) -> None:
         for proc in self.procs.values():
             procs.stop(proc)

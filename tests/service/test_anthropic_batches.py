@@ -39,7 +39,7 @@ def wait_ended(client, batch_id: str, service, timeout: float = 600):  # noqa: A
     deadline = time.time() + timeout
     batch = client.messages.batches.retrieve(batch_id)
     while batch.processing_status != "ended":
-        assert time.time() < deadline, f"{batch_id} stuck {batch.processing_status}:\n{service.log('worker-gpu')}"
+        assert time.time() < deadline, f"{batch_id} stuck {batch.processing_status}:\n{service.logs()}"
         time.sleep(0.5)
         batch = client.messages.batches.retrieve(batch_id)
     return batch
@@ -207,7 +207,7 @@ def test_embedded_default_runs_message_batches(tmp_path):
         batch = client.messages.batches.create(requests=requests_of(3) + [
             {"custom_id": "bad-temperature", "params": {**PARAMS, "temperature": 1.5}}])
         batch = wait_ended(client, batch.id, service)
-        assert batch.request_counts.succeeded == 3 and batch.request_counts.errored == 1, service.log("serve")
+        assert batch.request_counts.succeeded == 3 and batch.request_counts.errored == 1, service.logs()
         _check_results(client, batch, [f"r-{i}" for i in range(3)], {"bad-temperature": "temperature"})
 
         # the CLI's face of the same: a file of {"custom_id", "params"} lines becomes a message batch

@@ -47,7 +47,7 @@ def test_serve_submit_wait_results(tmp_path):
         assert (home / "api_key").is_file() and (home / "nightshift.db").is_file()
 
         submitted = nightshift(env, "submit", str(input_path), "--wait")
-        assert submitted.returncode == 0, submitted.stderr.decode()[-3000:] + service.log("serve")
+        assert submitted.returncode == 0, submitted.stderr.decode()[-3000:] + service.logs()
         batch_id = submitted.stdout.decode().strip()
         assert batch_id.startswith("batch_")
         assert "completed" in submitted.stderr.decode()
@@ -153,7 +153,7 @@ def test_sigterm_stops_serve_within_seconds_and_a_restart_finishes_the_batch(tmp
         server = service.start("serve-again", argv)
         wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)
         assert wait_until(lambda: json.loads(nightshift(env, "status", batch_id).stdout)["status"] == "completed",
-                          300), service.log("serve-again")
+                          300), service.logs()
         results = [json.loads(x) for x in nightshift(env, "results", batch_id).stdout.decode().splitlines()]
         assert sorted(x["custom_id"] for x in results) == sorted(expected)
         assert all(x["response"]["status_code"] == 200 for x in results)

@@ -44,7 +44,7 @@ def test_openai_client_embeddings_batch(pipeline):
 
     deadline = time.time() + 300
     while batch.status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.time() < deadline, f"batch stuck in {batch.status}; gpu worker log:\n{service.log('worker-gpu')}"
+        assert time.time() < deadline, f"batch stuck in {batch.status}:\n{service.logs()}"
         time.sleep(0.5)
         batch = client.batches.retrieve(batch.id)
     assert batch.status == "completed", (batch.errors, service.log("worker-gpu"))

@@ -47,7 +47,7 @@ def test_openai_client_round_trip(pipeline):
     deadline = time.time() + 600
     seen = set()
     while batch.status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.time() < deadline, f"batch stuck in {batch.status}; gpu worker log:\n{service.log('worker-gpu')}"
+        assert time.time() < deadline, f"batch stuck in {batch.status}:\n{service.logs()}"
         time.sleep(0.5)
         batch = client.batches.retrieve(batch.id)
         seen.add(batch.status)

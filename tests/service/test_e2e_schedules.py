@@ -73,8 +73,7 @@ def wait_for_run(db_url: str, schedule_id: str, due_at: float, service: Service,
             if "raised unexpected" in service.log(name):   # a task crashed: say so now, not at the timeout
                 raise AssertionError(f"{name} failed a task:\n{service.log(name)}")
         time.sleep(0.5)
-    raise AssertionError(f"run for {due_at} not finished; cpu-a:\n{service.log('worker-cpu-a')}\n"
-                         f"gpu:\n{service.log('worker-gpu')}")
+    raise AssertionError(f"run for {due_at} not finished:\n{service.logs()}")
 
 
 def tick_from_both(producers: list[Celery], now: float) -> None:

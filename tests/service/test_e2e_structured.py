@@ -82,7 +82,7 @@ def test_structured_batch_through_the_openai_client(pipeline):
                                   completion_window="24h")
     deadline = time.time() + 900
     while batch.status not in ("completed", "failed", "expired", "cancelled"):
-        assert time.time() < deadline, f"batch stuck in {batch.status}:\n{service.log('worker-gpu')}"
+        assert time.time() < deadline, f"batch stuck in {batch.status}:\n{service.logs()}"
         time.sleep(1)
         batch = client.batches.retrieve(batch.id)
     assert batch.status == "completed", (batch.errors, service.log("worker-cpu"))

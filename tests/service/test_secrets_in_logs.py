@@ -30,7 +30,7 @@ def test_a_full_job_logs_neither_the_api_key_nor_the_s3_secret(s3_server, tmp_pa
         wait_http(f"http://127.0.0.1:{port}/health", server, timeout=120)
         submitted = nightshift(env, "submit", str(input_path), "--wait", "--quiet")
         printed.append(submitted)
-        assert submitted.returncode == 0, submitted.stderr.decode()[-3000:] + service.log("serve")
+        assert submitted.returncode == 0, submitted.stderr.decode()[-3000:] + service.logs()
         batch_id = submitted.stdout.decode().strip()
         results = nightshift(env, "results", batch_id)
         printed += [results, nightshift(env, "status", batch_id), nightshift(env, "keys", "list"),
