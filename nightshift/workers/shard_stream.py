@@ -18,7 +18,10 @@ when its last result is written and moves its batch to finalizing (then sends th
 wake-up), renews every held lease each ``heartbeat_seconds``, and claims and loads the next
 shard. A shard whose lease is lost (cancel, expiry, a reclaim after a stall) has its requests
 aborted in the engine and its unwritten results dropped: they stay pending for whoever owns
-the shard now. On an error every shard still held is handed back and re-sent.
+the shard now. On an error every shard still held is handed back and re-sent: an engine error
+ends the stream with the engine's exception; an error of the database thread other than a
+database hiccup (those it retries) aborts the engine's requests and ends it with a RuntimeError,
+so the engine never waits on a thread that is gone.
 """
 from __future__ import annotations
 
@@ -119,7 +122,8 @@ class ShardStream:
         self.first_shard_id: Optional[int] = None
         self.run_result = StreamRun("done")
         self.timings = StreamTimings()
-        self.error: Optional[BaseException] = None
+        self.error: Optional[BaseException] = None            # the engine thread's
+        self.database_error: Optional[BaseException] = None   # the database thread's (not a hiccup)
 
     # ---- the engine thread -------------------------------------------------------------
     def run(self, shard_id: int) -> StreamRun:
@@ -155,6 +159,10 @@ class ShardStream:
                 self.cond.notify_all()
             database.join()
             self._log_timings(shard_id)
+        if self.database_error is not None:
+            raise RuntimeError(f"shard stream of shard {shard_id}: the database thread failed "
+                               f"({type(self.database_error).__name__}: {self.database_error}); "
+                               "its shards were handed back") from self.database_error
         if self.run_result.status == "done" and shard_id not in self.run_result.shards_done:
             self.run_result.status = "incomplete"
         return self.run_result
@@ -232,8 +240,27 @@ class ShardStream:
         cpu_started = time.thread_time()
         try:
             self._database_steps()
+        except BaseException as exc:  # a bug, not a database hiccup (_database_steps retries those)
+            log.exception("shard stream: the database thread failed; aborting its requests, handing its shards back")
+            self._abandon(exc)
         finally:
             self.timings.database_cpu = time.thread_time() - cpu_started
+
+    def _abandon(self, exc: BaseException) -> None:
+        """The database thread cannot go on: stop the stream (an idle engine waiting on a claim
+        wakes up), abort every held request in the engine and hand every shard back unwritten."""
+        with self.cond:
+            self.database_error = exc
+            self.stopping = True
+            leftovers = list(self.held.values()) + ([self.prepared] if self.prepared is not None else [])
+            self.held.clear()
+            self.prepared = None
+            self.cond.notify_all()
+        for shard in leftovers:
+            for key in list(shard.rows):
+                self.engine.abort(key)
+            if not shard.lost:
+                self._release(shard, f"{type(exc).__name__}: {exc}")
 
     def _database_steps(self) -> None:
         settings = self.settings
@@ -278,8 +305,10 @@ class ShardStream:
                 return
 
     def _claim_due(self, now: float) -> bool:
-        """(under `cond`)"""
-        return (self.claim_wanted > self.claims_done and self.prepared is None and self._may_claim()
+        """(under `cond`) A claim the engine asked for is unanswered. Whether to ask is decided
+        when asking (`take`, inside the stream's window); once asked it is answered even if the
+        window closed meanwhile, since an idle engine waits on the answer."""
+        return (self.claim_wanted > self.claims_done and self.prepared is None and not self.stopping
                 and (self.claim_forced or now - self.last_empty_claim >= CLAIM_RETRY_SECONDS))
 
     def _collect(self) -> int:

@@ -141,3 +141,75 @@ def test_an_engine_failure_hands_every_held_shard_back(any_db, settings_env, tmp
     rows = rows_of(any_db, bid)
     assert [r.status for r in rows] == ["completed"] * 6
     assert sum(sh.completed_count for sh in shards_of(any_db, bid)) == 6
+
+
+def test_an_idle_engine_s_claim_is_answered_after_the_stream_window_closes(any_db, settings_env, tmp_path, engine,  # noqa: F811
+                                                                          monkeypatch):
+    """The engine ran out of work inside the stream's window and asked for one more claim while
+    the database thread was busy writing; by the time that thread looked, the window had
+    closed. The claim is still answered (here: nothing to take), so the run ends instead of
+    waiting forever while the database thread keeps renewing its lease."""
+    from nightshift.storage.objectstore import get_object_store
+    from nightshift.workers.shard_stream import ShardStream
+
+    settings = settings_env(database_url=any_db, storage_dir=tmp_path / "o", engine_stream_seconds=2.0,
+                            result_flush_rows=1, heartbeat_seconds=0.2)
+    store = get_object_store()
+    bid, (shard_id,) = ingested(any_db, store, settings, engine, [line(i, max_tokens=2) for i in range(2)])
+    flush = ShardStream._flush
+    slowed = []
+
+    def slow_first_flush(self):  # noqa: ANN001, ANN202
+        if not slowed:            # busy past the window's end while the engine goes idle
+            slowed.append(time.monotonic())
+            time.sleep(max(0.0, self.claim_until - time.monotonic()) + 1.0)
+        return flush(self)
+
+    monkeypatch.setattr(ShardStream, "_flush", slow_first_flush)
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(run=run_shard(
+        shard_id, engine, settings=settings, owner="w", device="cpu")), daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "the run waits forever on a claim nobody answers"
+    assert slowed and result["run"].status == "done" and result["run"].shards_done == [shard_id]
+    assert [r.status for r in rows_of(any_db, bid)] == ["completed"] * 2
+
+
+def test_a_failing_database_thread_ends_the_run_and_hands_its_shard_back(any_db, settings_env, tmp_path, engine,  # noqa: F811
+                                                                        monkeypatch):
+    """A bug while turning an output into its result (not a database hiccup, which is retried)
+    stops the database thread: the run ends with that error instead of waiting forever on the
+    thread, and the shard goes back to pending unwritten; the next run answers every request
+    once."""
+    from nightshift.storage.objectstore import get_object_store
+    from nightshift.workers.shard_stream import ShardStream
+
+    settings = settings_env(database_url=any_db, storage_dir=tmp_path / "o", result_flush_rows=1)
+    store = get_object_store()
+    bid, (shard_id,) = ingested(any_db, store, settings, engine, [line(i, max_tokens=4) for i in range(3)])
+    result_of = ShardStream._result_of
+
+    def broken_result_of(self, row, out, endpoint):  # noqa: ANN001, ANN202
+        raise ValueError("cannot build this result")
+
+    monkeypatch.setattr(ShardStream, "_result_of", broken_result_of)
+    outcome, released = {}, []
+
+    def run() -> None:
+        try:
+            run_shard(shard_id, engine, settings=settings, owner="w", device="cpu", on_released=released.append)
+        except RuntimeError as exc:
+            outcome["error"] = exc
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "the run waits forever on a database thread that is gone"
+    assert "cannot build this result" in str(outcome["error"]) and released == [shard_id]
+    (shard,) = shards_of(any_db, bid)
+    assert shard.status == "pending" and "cannot build this result" in shard.last_error
+    assert {r.status for r in rows_of(any_db, bid)} == {"pending"}
+    monkeypatch.setattr(ShardStream, "_result_of", result_of)
+    assert run_shard(shard_id, engine, settings=settings, owner="w2", device="cpu").status == "done"
+    assert [r.status for r in rows_of(any_db, bid)] == ["completed"] * 3
