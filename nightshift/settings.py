@@ -92,6 +92,10 @@ class Settings(BaseSettings):
     # drains and ends the task (so a warm shutdown waits at most about that long plus the drain).
     claim_ahead_after_seconds: float = 0.25
     engine_stream_seconds: float = 60.0
+    # An engine task whose model load or engine step has not moved for this long writes every
+    # thread's stack to its worker's log, and again as often while it stays stuck (0: never);
+    # diagnosis only (workers/stall_watch.py).
+    engine_stall_seconds: float = Field(default=300.0, ge=0)
     # A lease runs out this long after its holder's last heartbeat: six missed heartbeats (a
     # database hiccup, a long GC pause) before a live worker is taken for dead, while a dead one's
     # shard is re-sent within lease_seconds + reconcile_interval_seconds. Longer leases survive

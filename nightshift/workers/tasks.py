@@ -28,6 +28,7 @@ from nightshift.workers.finalize import finalize_batch
 from nightshift.workers.ingest import ingest_batch
 from nightshift.workers.metrics import worker_metrics
 from nightshift.workers.schedule_runs import complete_batch_run
+from nightshift.workers.stall_watch import StallWatch
 from nightshift.workers.storage_sweep import sweep_storage as sweep_objects
 from nightshift.workers.webhooks import deliver_due_webhooks
 
@@ -55,22 +56,25 @@ def run_shard(shard_id: int) -> str:
         endpoint = shard_endpoint(s, shard_id)
     if endpoint is None:
         return "skipped"
-    # these import the engine: gpu workers only
-    try:
-        if endpoint == EMBEDDINGS:
-            from nightshift.workers.embedding_stream import run_embedding_shard as run
-            engine = get_embedding_engine(settings)
-        else:
-            from nightshift.workers.shard_stream import run_shard as run
-            engine = get_engine(settings)
-    except ModelUnavailable as exc:
-        # The shard stays pending (nothing was claimed); the reconciler sends it again when a
-        # worker may load the model, and ends it as model_unavailable after too long.
-        with session_scope(settings.resolved_database_url) as s:
-            note_unavailable(s, shard_id, unavailable_notice(exc.model, exc.cause), time.time(), exc.attempted)
-        return "model_unavailable"
-    result = run(shard_id, engine, settings=settings, owner=worker_identity(), device=engine_device(engine),
-                 on_finalize=dispatch.enqueue_finalize, on_released=dispatch.enqueue_run_shard)
+    # A load or an engine step that hangs leaves every thread's stack in this worker's log.
+    with StallWatch(settings.engine_stall_seconds) as watch:
+        # these import the engine: gpu workers only
+        try:
+            if endpoint == EMBEDDINGS:
+                from nightshift.workers.embedding_stream import run_embedding_shard as run
+                engine = get_embedding_engine(settings)
+            else:
+                from nightshift.workers.shard_stream import run_shard as run
+                engine = get_engine(settings)
+        except ModelUnavailable as exc:
+            # The shard stays pending (nothing was claimed); the reconciler sends it again when a
+            # worker may load the model, and ends it as model_unavailable after too long.
+            with session_scope(settings.resolved_database_url) as s:
+                note_unavailable(s, shard_id, unavailable_notice(exc.model, exc.cause), time.time(), exc.attempted)
+            return "model_unavailable"
+        with watch.steps_of(engine):
+            result = run(shard_id, engine, settings=settings, owner=worker_identity(), device=engine_device(engine),
+                         on_finalize=dispatch.enqueue_finalize, on_released=dispatch.enqueue_run_shard)
     return result.status
 
 

@@ -1,6 +1,8 @@
 """End to end, production shape: the HTTP API (uvicorn), a cpu worker with beat and a gpu
 worker (real Celery on real Redis), Postgres, moto's S3 server and the real default model,
-driven only through the official openai client: upload, create, poll, download."""
+driven only through the official openai client: upload, create, poll, download. The gpu worker
+runs with a one-second stall watch, so its model load (longer than that) leaves every thread's
+stack in its log (workers/stall_watch.py)."""
 from __future__ import annotations
 
 import json
@@ -30,7 +32,7 @@ def batch_lines(n_ok: int) -> list[dict]:
 
 @pytest.fixture
 def pipeline(pg_url, s3_server, tmp_path):
-    with production_pipeline(pg_url, s3_server, tmp_path, REDIS_DB, "e2e") as running:
+    with production_pipeline(pg_url, s3_server, tmp_path, REDIS_DB, "e2e", engine_stall_seconds=1) as running:
         yield running
 
 
@@ -58,6 +60,8 @@ def test_openai_client_round_trip(pipeline):
     assert batch.usage.total_tokens == batch.usage.input_tokens + batch.usage.output_tokens
     assert batch.in_progress_at and batch.finalizing_at and batch.completed_at
     assert batch.metadata == {"suite": "e2e"}
+    gpu_log = (service.log_dir / "worker-gpu.log").read_text(errors="replace")
+    assert "most recent call first" in gpu_log and "get_engine" in gpu_log   # the load, caught by the watch
 
     output_file = client.files.retrieve(batch.output_file_id)
     assert output_file.purpose == "batch_output"
