@@ -20,6 +20,7 @@ import torch
 from nightshift.engine.block_manager import BlockManager
 from nightshift.engine.engine_config import EngineConfig, resolve_device, resolve_dtype
 from nightshift.engine.grammar import GrammarCompiler, GrammarError, GrammarMasks, LateGrammarCheck
+from nightshift.engine.kernels import cpu_prefix_attention
 from nightshift.engine.loader import load_model
 from nightshift.engine.model_files import model_name, resolve_model
 from nightshift.engine.models import fused_cpu_layer, fused_gpu_layer
@@ -114,7 +115,8 @@ class Engine:
     def compute(self) -> str:
         """How the model computes, for logs and benchmarks: device, dtype and, for a float32 CPU
         model, its CPU math (engine/layers/cpu_math.py) and why, and whether its layers run as
-        fused kernels (models/fused_cpu_layer.py) over a pool of narrower K/V."""
+        fused kernels (models/fused_cpu_layer.py) over a pool of narrower K/V, and whether a prefix
+        its rows share is attended on AMX tiles (kernels/cpu_prefix_attention.py)."""
         model = self.runner.model
         where = f"{model.embed_tokens.device.type} {str(model.dtype).removeprefix('torch.')}"
         choice = getattr(model, "cpu_math", None)
@@ -126,6 +128,10 @@ class Engine:
             return where
         fused = self.runner.attention.name == fused_cpu_layer.BACKEND and getattr(model, "fused_layers", None) is not None
         layers = f", fused layers, {str(self.runner.kv_dtype).removeprefix('torch.')} K/V" if fused else ""
+        shape = model.config
+        if self.runner.attention.name == fused_cpu_layer.BACKEND and cpu_prefix_attention.supports(
+                shape.num_heads, shape.num_kv_heads, shape.head_dim, self.runner.kv_dtype):
+            layers += ", shared prefixes on AMX tiles"
         int4 = getattr(model, "cpu_int4", None)
         int4 = f", INT4 layers {int4.describe()}" if int4 is not None else ""
         return f"{where}, CPU math {choice.describe()}{int4}{layers}"

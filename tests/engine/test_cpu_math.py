@@ -176,4 +176,9 @@ def test_the_real_model_on_each_path_follows_float32(math, fp32_model, default_m
     from nightshift.engine.engine import Engine
     engine = Engine.from_model(model, tokenizer, "m", max_num_seqs=2, num_kv_blocks=8)
     fused = ", fused layers, bfloat16 K/V" if math == "bf16" else ""     # models/fused_cpu_layer.py
+    from nightshift.engine.kernels import cpu_prefix_attention
+    shape = model.config
+    if math == "bf16" and cpu_prefix_attention.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                                                        torch.bfloat16):
+        fused += ", shared prefixes on AMX tiles"                        # an AMX CPU
     assert engine.compute == f"cpu float32, CPU math {math} (forced){fused}"

@@ -41,6 +41,11 @@ vectors gained nothing there, so it goes one head at a time. Other CPUs (and oth
 the same loops in plain C. Where there is no compiler or the build fails, `load()` returns None
 once and the backend selection keeps the torch path: nothing requires it. Queries float32;
 NIGHTSHIFT_CPU_ATTENTION=0 turns it off.
+
+``paged_attention_after_prefix`` is the same kernel for rows whose first ``start`` positions (a
+prefix shared by a step's rows) were attended elsewhere (kernels/cpu_prefix_attention.py on AMX
+tiles): it reads positions ``start`` onwards and starts each head's softmax sum and accumulator
+from the prefix's log-sum-exp and output.
 """
 from __future__ import annotations
 
@@ -177,13 +182,14 @@ static inline __attribute__((always_inline)) void scores_block(const int gc, int
 #define PV_LINES 1
 struct ahead { const int32_t *tab, *prev; int64_t b, nb, nprev, o; };
 static inline void ahead_start(struct ahead *a, const int32_t *tables, int64_t tw, const int32_t *lens,
-                               int64_t r, int64_t n, int64_t bs, int64_t window) {
+                               int64_t r, int64_t n, int64_t bs, int64_t window, int64_t start) {
     a->b = a->nb = a->o = 0;
     if (r <= 0 || r >= n) return;
     const int64_t L = lens[r];
     a->tab = tables + r * tw; a->prev = tables + (r - 1) * tw;
     a->nb = (L + bs - 1) / bs; a->nprev = (lens[r - 1] + bs - 1) / bs;
     a->b = window > 0 && L > window ? (L - window) / bs : 0;
+    if (start / bs > a->b) a->b = start / bs;
 }
 static inline void ahead_step(struct ahead *a, const char *k, const char *v, int64_t block_bytes, int lines) {
     while (lines > 0 && a->b < a->nb) {
@@ -249,10 +255,15 @@ static inline __attribute__((always_inline)) void values_heads(int64_t cnt, cons
    row, all its heads: the scores of every head first, block by block (each block's K read once,
    front to back: every KV head's slice of a position is one contiguous run), one exp pass per
    head, then V the same way. A row's result depends on that row alone (the same arithmetic
-   whatever rows share the call). */
-void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cache,
-                         const int32_t *tables, int64_t tw, const int32_t *lens, float *out,
-                         int64_t n, int64_t KVH, int64_t bs, float scale, int64_t window, float softcap) {
+   whatever rows share the call).
+   start > 0 (a multiple of bs, below every lens[i]; no window): positions 0 .. start-1 were
+   attended elsewhere (a shared prefix), their normalized output in pre_out [n, KVH * GQ, HD] and
+   the log of their softmax sum (max included) in pre_lse [n, KVH * GQ]: each head's sum and
+   accumulator start from them, so the result is attention over all lens[i] positions. */
+static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_cache,
+                           const int32_t *tables, int64_t tw, const int32_t *lens, float *out,
+                           int64_t n, int64_t KVH, int64_t bs, float scale, int64_t window, float softcap,
+                           int64_t start, const float *pre_out, const float *pre_lse) {
     const int64_t H = KVH * GQ, row = KVH * HD;
     int64_t max_len = 1;
     for (int64_t i = 0; i < n; i++) max_len = lens[i] > max_len ? lens[i] : max_len;
@@ -265,11 +276,11 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
         struct ahead next;
         #pragma omp for schedule(static, 1)
         for (int64_t i = 0; i < n; i++) {
-            ahead_start(&next, tables, tw, lens, i + T, n, bs, window);
+            ahead_start(&next, tables, tw, lens, i + T, n, bs, window, start);
             const int64_t L = lens[i], nb = (L + bs - 1) / bs;
             /* a window: only positions first .. L-1 (blocks before first's are never read: the
-               block manager may have given them back) */
-            const int64_t first = window > 0 && L > window ? L - window : 0, b0 = first / bs;
+               block manager may have given them back); a prefix attended elsewhere: from start */
+            const int64_t first = window > 0 && L > window ? L - window : start, b0 = first / bs;
             const int32_t *tab = tables + i * tw;
             for (int64_t d = 0; d < H * HD; d++) { qs[d] = q[i * H * HD + d] * scale; acc[d] = 0.f; }
             for (int64_t b = b0; b < nb; b++) {
@@ -338,10 +349,17 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
                     for (int64_t t = first; t < L; t++) sg[t] = softcap * tanhf(sg[t] / softcap);
                 for (int64_t t = s0; t < first; t++) sg[t] = -INFINITY;
                 for (int64_t t = first; t < L; t++) mg = sg[t] > mg ? sg[t] : mg;
+                if (pre_lse && pre_lse[i * H + hg] > mg) mg = pre_lse[i * H + hg];
                 const int64_t padded = (L + 15) & ~(int64_t)15;      /* whole vectors: no scalar tail */
                 for (int64_t t = L; t < padded; t++) sg[t] = -INFINITY;
                 #pragma omp simd reduction(+:total)
                 for (int64_t t = s0; t < padded; t++) { sg[t] = expf(sg[t] - mg); total += sg[t]; }
+                if (pre_lse) {        /* the prefix: weight exp(lse - max), its normalized output */
+                    const float w = expf(pre_lse[i * H + hg] - mg);
+                    const float *po = pre_out + (i * H + hg) * HD;
+                    total += w;
+                    for (int d = 0; d < HD; d++) acc[hg * HD + d] = w * po[d];
+                }
                 l[hg] = total;
             }
             for (int64_t b = b0; b < nb; b++) {
@@ -390,6 +408,19 @@ void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cach
         free(scores); free(qs); free(acc);
     }
 }
+
+void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cache,
+                         const int32_t *tables, int64_t tw, const int32_t *lens, float *out,
+                         int64_t n, int64_t KVH, int64_t bs, float scale, int64_t window, float softcap) {
+    attention_rows(q, k_cache, v_cache, tables, tw, lens, out, n, KVH, bs, scale, window, softcap, 0, 0, 0);
+}
+
+void paged_attention_after_prefix(const float *q, const kv_t *k_cache, const kv_t *v_cache,
+                                  const int32_t *tables, int64_t tw, const int32_t *lens, float *out,
+                                  int64_t n, int64_t KVH, int64_t bs, float scale, int64_t start,
+                                  const float *pre_out, const float *pre_lse) {
+    attention_rows(q, k_cache, v_cache, tables, tw, lens, out, n, KVH, bs, scale, 0, 0.f, start, pre_out, pre_lse);
+}
 """
 MAX_GROUP, MAX_HEAD_DIM = 16, 256      # one row's GQ x HD accumulators are registers (spilled beyond)
 FLAGS = [*OPTIMIZE, "-ffast-math"]
@@ -424,6 +455,10 @@ def load(group: int = 3, head_dim: int = 64, portable: bool = False,
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
                 [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
+            fn = lib.paged_attention_after_prefix
+            fn.restype = None
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
+                [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         _libs[shape] = lib
         return lib
 
@@ -459,3 +494,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                             window or 0, softcap or 0.0)
     return out
 
+
+
+def paged_attention_after_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 tables: torch.Tensor, lens: torch.Tensor, scale: float, start: int,
+                                 prefix_out: torch.Tensor, prefix_lse: torch.Tensor) -> torch.Tensor:
+    """``paged_attention`` of rows whose first ``start`` positions (a multiple of the block size,
+    below every row's length) were attended elsewhere: ``prefix_out`` `[n, H, D]` their normalized
+    output, ``prefix_lse`` `[n, H]` the log of their softmax sum; the kernel reads positions
+    ``start`` onwards and merges (no window, no soft-capping)."""
+    n, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if start % block_size or (n and int(lens.min()) <= start):
+        raise ValueError(f"a prefix of {start} positions must be whole blocks of {block_size} below every row's length")
+    lib = load(heads // kv_heads, dim, False, k_cache.dtype)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if n == 0:
+        return out
+    assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and tables.is_contiguous()
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == torch.float32
+    assert prefix_out.shape == q.shape and prefix_lse.shape == (n, heads)
+    assert prefix_out.dtype == prefix_lse.dtype == torch.float32
+    prefix_out, prefix_lse = prefix_out.contiguous(), prefix_lse.contiguous()
+    lib.paged_attention_after_prefix(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                                     tables.shape[1], lens.data_ptr(), out.data_ptr(), n, kv_heads, block_size, scale,
+                                     start, prefix_out.data_ptr(), prefix_lse.data_ptr())
+    return out
