@@ -70,15 +70,21 @@ SYSTEM_SENTENCES = [
 ]
 
 
-def build_workload(tokenizer, num_requests: int, seed: int = 0,
-                   system_tokens: int = 200, user_tokens: tuple[int, int] = (20, 60)) -> list[list[int]]:
-    """Prompt token ids: one shared system prompt (~system_tokens) + a unique user turn each."""
-    rng = random.Random(seed)
+def system_prompt(tokenizer, system_tokens: int = 200) -> str:
+    """The workload's shared system prompt: its sentences up to ~system_tokens tokens."""
     system = ""
     for sentence in SYSTEM_SENTENCES * 4:
         if len(tokenizer.encode(system)) >= system_tokens:
             break
         system = f"{system} {sentence}".strip()
+    return system
+
+
+def build_workload(tokenizer, num_requests: int, seed: int = 0,
+                   system_tokens: int = 200, user_tokens: tuple[int, int] = (20, 60)) -> list[list[int]]:
+    """Prompt token ids: one shared system prompt (~system_tokens) + a unique user turn each."""
+    rng = random.Random(seed)
+    system = system_prompt(tokenizer, system_tokens)
     prompts = []
     for i in range(num_requests):
         target = rng.randint(*user_tokens)

@@ -82,23 +82,37 @@ class Comparison:
     seconds: float
 
 
+def shared_blocks(prompts: list[list[int]], block_size: int) -> int:
+    """Whole blocks of the prompts' common leading tokens, each prompt keeping one token after them."""
+    common = 0
+    while all(len(p) > common + 1 for p in prompts) and len({p[common] for p in prompts}) == 1:
+        common += 1
+    return common // block_size
+
+
 class _Stepper:
-    """Runs a model over many sequences at once through ModelRunner, one token per step."""
+    """Runs a model over many sequences at once through ModelRunner, one token per step. With
+    ``share_prefix`` the whole blocks of the prompts' common start are one set of blocks, computed
+    once and then read by every sequence, as the engine's prefix cache serves them."""
 
     def __init__(self, model, prompts: list[list[int]], new_tokens: int, block_size: int = 16,
-                 after_prefill=None, before_prefill=None):
+                 after_prefill=None, before_prefill=None, share_prefix: bool = False):
         self.prompts = prompts
         self.after_prefill = after_prefill or (lambda: None)
         self.before_prefill = before_prefill or (lambda: None)
-        blocks_each = [math.ceil((len(p) + new_tokens) / block_size) for p in prompts]
-        self.runner = ModelRunner(model, num_kv_blocks=sum(blocks_each), block_size=block_size)
-        starts = [sum(blocks_each[:i]) for i in range(len(prompts))]
-        self.tables = [list(range(s, s + n)) for s, n in zip(starts, blocks_each)]
+        shared = shared_blocks(prompts, block_size) if share_prefix else 0
+        self.shared = shared * block_size
+        blocks_each = [math.ceil((len(p) + new_tokens) / block_size) - shared for p in prompts]
+        self.runner = ModelRunner(model, num_kv_blocks=shared + sum(blocks_each), block_size=block_size)
+        starts = [shared + sum(blocks_each[:i]) for i in range(len(prompts))]
+        self.tables = [list(range(shared)) + list(range(s, s + n)) for s, n in zip(starts, blocks_each)]
 
     def run(self, new_tokens: int, forced: list[list[int]] | None = None):
         """Greedy continuation (or ``forced`` tokens fed instead); returns (tokens, log-probs
         [steps, sequences, vocab] of every step's next-token distribution)."""
-        items = [StepItem(p, 0, t) for p, t in zip(self.prompts, self.tables)]
+        if self.shared:
+            self.runner.execute([StepItem(self.prompts[0][:self.shared], 0, self.tables[0])])
+        items = [StepItem(p[self.shared:], self.shared, t) for p, t in zip(self.prompts, self.tables)]
         logprobs, tokens = [], [[] for _ in self.prompts]
         for step in range(new_tokens):
             (self.after_prefill if step else self.before_prefill)()
@@ -235,18 +249,22 @@ def hf_greedy(hf, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
 
 def evaluate_maths(model: str = "default", num_prompts: int = 64, new_tokens: int = 32,
                    maths: tuple[str, ...] = ("float32", "bf16", "int8"), cache_dir: str | None = None,
-                   int4_kernels: tuple[str, ...] = (), log=print) -> dict:
+                   int4_kernels: tuple[str, ...] = (), shared_system: bool = False, log=print) -> dict:
     """Each CPU math path of our engine (engine/layers/cpu_math.py) and HF's own bfloat16 against
     HF transformers in float32 on the same prompts: top-1 agreement and mean KL(HF fp32 || path)
     along HF float32's greedy continuation (teacher-forced), and the share of prompts whose
     greedy continuation equals HF float32's. The rule for a default path: no more drift than
     HF bf16 shows here. `int4_kernels` (dense, w4a8): the engine's default INT4 model (its
     QuantConfig: a GGUF's Q4 blocks imported as they are) on this CPU's chosen math with each of
-    these kernels for its INT4 layers (cpu_math.choose_int4)."""
-    from bench.engine import hf_model_from_cache
+    these kernels for its INT4 layers (cpu_math.choose_int4). `shared_system`: every chat opens
+    with bench.engine's ~200-token system prompt, whose blocks all sequences share (computed once),
+    so a step's rows attend a shared prefix as in the standard workload (on an AMX CPU, on its
+    tiles: engine/kernels/cpu_prefix_attention.py)."""
+    from bench.engine import hf_model_from_cache, system_prompt
 
     tokenizer = load_tokenizer(model, cache_dir=cache_dir)
-    prompts = [tokenizer.apply_chat_template(m) for m in quality_prompts(num_prompts)]
+    opening = [{"role": "system", "content": system_prompt(tokenizer)}] if shared_system else []
+    prompts = [tokenizer.apply_chat_template(opening + m) for m in quality_prompts(num_prompts)]
     start = time.perf_counter()
     hf32 = hf_model_from_cache(model, torch.float32)
     ref_tokens = hf_greedy(hf32, prompts, new_tokens)
@@ -272,7 +290,7 @@ def evaluate_maths(model: str = "default", num_prompts: int = 64, new_tokens: in
         """Our engine's model loaded with `load_args`, teacher-forced and greedy."""
         t0 = time.perf_counter()
         net = load_model(model, dtype=torch.float32, cache_dir=cache_dir, **load_args)
-        stepper = _Stepper(net, prompts, new_tokens)
+        stepper = _Stepper(net, prompts, new_tokens, share_prefix=shared_system)
         _, forced_lp = stepper.run(new_tokens, forced=ref_tokens)
         greedy, _ = stepper.run(new_tokens)
         return compare(name.format(math=net.cpu_math.math), forced_lp, greedy, time.perf_counter() - t0)
@@ -281,7 +299,7 @@ def evaluate_maths(model: str = "default", num_prompts: int = 64, new_tokens: in
     results += [ours(f"nightshift int4 {kernel} ({{math}})", quant_config=QuantConfig(), cpu_int4=kernel)
                 for kernel in int4_kernels]
     return {"model": model, "prompts": len(prompts), "new_tokens": new_tokens, "reference": "HF float32",
-            "comparisons": [asdict(r) for r in results]}
+            "shared_system": shared_system, "comparisons": [asdict(r) for r in results]}
 
 
 def main(argv=None) -> None:
@@ -300,12 +318,16 @@ def main(argv=None) -> None:
     ap.add_argument("--int4-kernels", default=None,
                     help="with --maths: also the engine's default INT4 model with each of these CPU kernels for "
                          "its INT4 layers (comma list of dense,w4a8)")
+    ap.add_argument("--shared-system", action="store_true",
+                    help="with --maths: every chat opens with bench.engine's ~200-token system prompt, its blocks "
+                         "shared by all sequences (the standard workload's shared prefix)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.maths:
         report = evaluate_maths(args.model, args.prompts, args.tokens, tuple(args.maths.split(",")), args.cache_dir,
-                                int4_kernels=tuple(args.int4_kernels.split(",")) if args.int4_kernels else ())
+                                int4_kernels=tuple(args.int4_kernels.split(",")) if args.int4_kernels else (),
+                                shared_system=args.shared_system)
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(report, handle, indent=1)
