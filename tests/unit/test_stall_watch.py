@@ -50,3 +50,22 @@ def test_zero_seconds_never_writes(tmp_path):
             time.sleep(0.3)
         log.seek(0)
         assert log.read() == ""
+
+
+def test_steps_re_arm_it_at_most_every_tenth_of_its_seconds(monkeypatch, tmp_path):
+    """Re-arming starts a watchdog thread (~50 us): a fast engine's steps do it at most once a
+    tenth of the seconds (at most once a second)."""
+    import faulthandler
+
+    from nightshift.workers import stall_watch
+    armed, clock = [], [100.0]
+    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda *a, **k: armed.append(clock[0]))
+    monkeypatch.setattr(stall_watch.time, "monotonic", lambda: clock[0])
+    with open(tmp_path / "log", "w") as log:
+        watch = StallWatch(300, file=log)
+        assert watch.every == 1.0 and StallWatch(2, file=log).every == 0.2
+        with watch:
+            for _ in range(20):                             # a step every 0.25 s for 5 s
+                clock[0] += 0.25
+                watch.arm()
+    assert armed == [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
