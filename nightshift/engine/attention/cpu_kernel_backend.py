@@ -49,7 +49,7 @@ class KernelRows:
     num_rows: int
     block_tables: torch.Tensor              # [num_rows, width] int32: each row's sequence's blocks, zero-padded
     context_lens: torch.Tensor              # [num_rows] int32: positions the row attends to (itself included)
-    prefix_blocks: Optional[torch.Tensor] = None   # [k] int32: blocks every row starts with (None: too few rows)
+    prefix_blocks: Optional[torch.Tensor] = None   # [k] int32: blocks every row starts with (shared_prefix)
 
 
 @dataclass

@@ -479,6 +479,31 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (after scale) become softcap * tanh(score / softcap)."""
     if (window is not None and window <= 0) or (softcap is not None and softcap <= 0):
         raise ValueError(f"window and softcap must be positive, got {window}, {softcap}")
+    return _run("paged_attention_f32", q, k_cache, v_cache, tables, lens, scale, portable, window or 0, softcap or 0.0)
+
+
+def paged_attention_after_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 tables: torch.Tensor, lens: torch.Tensor, scale: float, start: int,
+                                 prefix_out: torch.Tensor, prefix_lse: torch.Tensor) -> torch.Tensor:
+    """``paged_attention`` of rows whose first ``start`` positions (a multiple of the block size,
+    below every row's length) were attended elsewhere: ``prefix_out`` `[n, H, D]` their normalized
+    output, ``prefix_lse`` `[n, H]` the log of their softmax sum; the kernel reads positions
+    ``start`` onwards and merges (no window, no soft-capping)."""
+    n, heads, _ = q.shape
+    block_size = k_cache.shape[1]
+    if start % block_size or (n and int(lens.min()) <= start):
+        raise ValueError(f"a prefix of {start} positions must be whole blocks of {block_size} below every row's length")
+    assert prefix_out.shape == q.shape and prefix_lse.shape == (n, heads)
+    assert prefix_out.dtype == prefix_lse.dtype == torch.float32
+    prefix_out, prefix_lse = prefix_out.contiguous(), prefix_lse.contiguous()
+    return _run("paged_attention_after_prefix", q, k_cache, v_cache, tables, lens, scale, False, start,
+                prefix_out.data_ptr(), prefix_lse.data_ptr())
+
+
+def _run(entry: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+         lens: torch.Tensor, scale: float, portable: bool, *tail) -> torch.Tensor:
+    """The library's ``entry`` over the rows (the checks and buffers both entry points share);
+    ``tail``: the entry's own arguments after ``scale``."""
     n, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     assert k_cache.dtype == v_cache.dtype
@@ -489,35 +514,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and tables.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == torch.float32
-    lib.paged_attention_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                            tables.shape[1], lens.data_ptr(), out.data_ptr(), n, kv_heads, block_size, scale,
-                            window or 0, softcap or 0.0)
-    return out
-
-
-
-def paged_attention_after_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 tables: torch.Tensor, lens: torch.Tensor, scale: float, start: int,
-                                 prefix_out: torch.Tensor, prefix_lse: torch.Tensor) -> torch.Tensor:
-    """``paged_attention`` of rows whose first ``start`` positions (a multiple of the block size,
-    below every row's length) were attended elsewhere: ``prefix_out`` `[n, H, D]` their normalized
-    output, ``prefix_lse`` `[n, H]` the log of their softmax sum; the kernel reads positions
-    ``start`` onwards and merges (no window, no soft-capping)."""
-    n, heads, dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    if start % block_size or (n and int(lens.min()) <= start):
-        raise ValueError(f"a prefix of {start} positions must be whole blocks of {block_size} below every row's length")
-    lib = load(heads // kv_heads, dim, False, k_cache.dtype)
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    if n == 0:
-        return out
-    assert tables.dtype == torch.int32 and lens.dtype == torch.int32 and tables.is_contiguous()
-    assert k_cache.is_contiguous() and v_cache.is_contiguous() and q.dtype == torch.float32
-    assert prefix_out.shape == q.shape and prefix_lse.shape == (n, heads)
-    assert prefix_out.dtype == prefix_lse.dtype == torch.float32
-    prefix_out, prefix_lse = prefix_out.contiguous(), prefix_lse.contiguous()
-    lib.paged_attention_after_prefix(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                                     tables.shape[1], lens.data_ptr(), out.data_ptr(), n, kv_heads, block_size, scale,
-                                     start, prefix_out.data_ptr(), prefix_lse.data_ptr())
+    getattr(lib, entry)(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
+                        lens.data_ptr(), out.data_ptr(), n, kv_heads, block_size, scale, *tail)
     return out
