@@ -25,8 +25,8 @@ NIGHTSHIFT_CPU_PREFIX_ATTENTION=0 turns it off.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
-import threading
 from typing import Optional
 
 import torch
@@ -197,28 +197,19 @@ void prefix_attention(const float *q, const uint16_t *k_cache, const uint16_t *v
 """
 FLAGS = [*OPTIMIZE, "-ffast-math", "-mamx-tile", "-mamx-bf16"]
 
-_lock = threading.Lock()
-_lib: list[Optional[ctypes.CDLL]] = []
-
-
+@functools.cache
 def load() -> Optional[ctypes.CDLL]:
     """The AMX prefix kernel, built on first use; None where the CPU has no AMX bf16, the kernel
     refuses this process the tiles, the build fails, or NIGHTSHIFT_CPU_PREFIX_ATTENTION=0."""
-    with _lock:
-        if _lib:
-            return _lib[0]
-        lib = None
-        if os.environ.get("NIGHTSHIFT_CPU_PREFIX_ATTENTION", "1") != "0" and {"amx_bf16", "amx_tile"} <= cpu_flags():
-            lib = load_library("prefix_attention_amx", SOURCE, FLAGS)
-            if lib is not None and not lib.amx_enable():
-                lib = None
-            if lib is not None:
-                fn = lib.prefix_attention
-                fn.restype = None
-                fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p,
-                                                                              ctypes.c_void_p]
-        _lib.append(lib)
-        return lib
+    if os.environ.get("NIGHTSHIFT_CPU_PREFIX_ATTENTION", "1") == "0" or not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        return None
+    lib = load_library("prefix_attention_amx", SOURCE, FLAGS)
+    if lib is None or not lib.amx_enable():
+        return None
+    lib.prefix_attention.restype = None
+    lib.prefix_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6 + [ctypes.c_float] + \
+        [ctypes.c_void_p] * 2
+    return lib
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> bool:
