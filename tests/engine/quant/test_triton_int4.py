@@ -31,7 +31,8 @@ swapped = [KernelConfig("swapped", block_m=16, block_n=32, block_k=64),         
            KernelConfig("swapped", block_m=32, block_n=16, block_k=64, exact=False)]
 cases = [  # m, n, k, group, dtype, configs, tolerance (relative to max |ref|)
     (1, 48, 128, 32, torch.float32, [G, tiled[0], D], 1e-5),            # a decode row, split-K 3 over 4 groups
-    (1, 40, 256, 128, torch.float32, [KernelConfig("gemv", block_m=1, block_n=32, block_k=128)], 1e-5),
+    # 2e-5: the dispatcher may pick a GEMV whose group sums are of 128 + q (1.08e-5 seen on an H200)
+    (1, 40, 256, 128, torch.float32, [KernelConfig("gemv", block_m=1, block_n=32, block_k=128)], 2e-5),
     # GEMV steps of several groups: K not a multiple of the step (the last step half empty), split-K
     (1, 40, 384, 64, torch.float32, [KernelConfig("gemv", block_m=1, block_n=16, block_k=256, num_warps=2),
                                      KernelConfig("gemv", block_m=1, block_n=8, block_k=128, split_k=2)], 1e-5),
