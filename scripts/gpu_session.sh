@@ -12,7 +12,8 @@
 #   roofline-8b    decode MBU (batch 1..256) and prefill MFU (2k) of an 8B-shaped model, INT4 (CUDA graphs, with
 #                  a kernel profile of batch 1 and 256) and bf16
 #   bench-8b       engine vs HF generate on the standard workload, 8B-shaped INT4 (random weights)
-#   greedy         greedy tokens vs HF on the default model (bf16, fp32, int4 report)
+#   greedy         greedy tokens vs HF on the default model: fp32 equal to HF fp32; bf16 and int4 drift from HF
+#                  fp32 against HF bf16's (bench/greedy_check.py); logs greedy-bf16/-fp32/-int4.log
 #   bench-default  engine vs HF generate on the standard workload, default model, INT4 and bf16
 #   bench-default-shape  the same with random weights of the default model's shape (no GGUF to carry)
 #   roofline-default  decode MBU / prefill MFU of the default model
@@ -58,10 +59,12 @@ for s in "$@"; do
     bench-8b) stage bench-8b 300 $PY -m bench.engine --device cuda --dummy-weights llama-8b --tokenizer "$TOKENIZER" \
         --dtype bfloat16 --hf-dtype bfloat16 --quantization int4 --max-num-seqs 256 --max-num-batched-tokens 8192 \
         --kv-cache-gib 30 --hf-batch-sizes 1,64,128,256 ;;
-    greedy)
-      stage greedy 120 $PY -m bench.greedy_check --device cuda --dtype bfloat16
-      stage greedy 120 $PY -m bench.greedy_check --device cuda --dtype float32
-      stage greedy 120 $PY -m bench.greedy_check --device cuda --dtype bfloat16 --quantization int4 ;;
+    greedy)  # the three at once (each loads its own small models; ~90 s together on an H200)
+      stage greedy-bf16 150 $PY -m bench.greedy_check --device cuda --dtype bfloat16 > /dev/null &
+      stage greedy-fp32 150 $PY -m bench.greedy_check --device cuda --dtype float32 > /dev/null &
+      stage greedy-int4 150 $PY -m bench.greedy_check --device cuda --dtype bfloat16 --quantization int4 > /dev/null &
+      wait
+      tail -n 3 "$LOG_DIR"/greedy-*.log ;;
     bench-default)
       for q in int4 none; do
         stage bench-default 200 $PY -m bench.engine --device cuda --dtype bfloat16 --hf-dtype bfloat16 --quantization $q \
