@@ -1,6 +1,8 @@
 """`python -m bench.greedy_check`: our engine's greedy tokens vs HF transformers on one device.
 
-float32 (the same for every device; the engine must equal HF):
+float32 (the same for every device; the engine must equal HF; on CPU only with the float32 CPU math,
+``NIGHTSHIFT_CPU_MATH=float32``: a float32 CPU model may multiply in bf16 or int8, and is then held
+to the 16-bit rule below):
 * Reference: transformers' LlamaForCausalLM on the same weights, device and dtype, greedy, one
   prompt at a time, recording each step's logits.
 * Ours: every prompt in ONE Engine.generate call (continuous batching, chunked prefill with a
@@ -193,6 +195,15 @@ def passes(results: list[PromptResult], min_equal: float) -> bool:
     return equal >= min_equal * len(results) and all(r.ok for r in results)
 
 
+def exact_float32(engine, quantization: str) -> bool:
+    """Whether the engine computes in float32 throughout (the float32 rule applies): a float32 model
+    without INT4 and, on CPU, on the float32 CPU math (a float32 CPU model may multiply in bf16 or
+    int8: engine/layers/cpu_math.py; NIGHTSHIFT_CPU_MATH=float32 forces float32)."""
+    model = engine.runner.model
+    math = getattr(model, "cpu_math", None)
+    return model.dtype == torch.float32 and quantization == "none" and (math is None or math.math == "float32")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.greedy_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -216,8 +227,8 @@ def main(argv=None) -> None:
                                     max_num_seqs=32, max_num_batched_tokens=args.max_num_batched_tokens,
                                     num_kv_blocks=512)
     prompts = default_prompts(engine.tokenizer)
-    what = f"{device} {dtype}" + (" INT4" if args.quantization == "int4" else "")
-    if dtype == torch.float32 and args.quantization == "none":
+    what = engine.compute + (", INT4" if args.quantization == "int4" else "")
+    if exact_float32(engine, args.quantization):
         near_tie = args.near_tie if args.near_tie is not None else NEAR_TIE[dtype]
         hf = hf_model_from_cache(args.model, dtype).to(device)
         results = check(engine, hf, prompts, args.new_tokens, near_tie)

@@ -89,3 +89,17 @@ def test_engine_bfloat16_first_differences_from_float32_are_plausible_on_cpu():
     # per prompt only: over 4 x 12 tokens the summed drift is noise (38 vs HF's 34 on a Zen 5); the
     # command's 18 x 32 applies the whole rule. An MLP scaled by 1.2 put a token ranked 18th here.
     assert all(r.ok for r in results), results
+
+
+def test_the_float32_rule_applies_only_to_float32_arithmetic():
+    from types import SimpleNamespace
+    from bench.greedy_check import exact_float32
+
+    def engine(dtype, math):
+        model = SimpleNamespace(dtype=dtype, cpu_math=None if math is None else SimpleNamespace(math=math))
+        return SimpleNamespace(runner=SimpleNamespace(model=model))
+    assert exact_float32(engine(torch.float32, None), "none")            # CUDA float32
+    assert exact_float32(engine(torch.float32, "float32"), "none")       # CPU, float32 math
+    assert not exact_float32(engine(torch.float32, "bf16"), "none")      # CPU float32 model multiplying in bf16
+    assert not exact_float32(engine(torch.float32, None), "int4")
+    assert not exact_float32(engine(torch.bfloat16, None), "none")
