@@ -15,8 +15,11 @@ exactly `output_len` new tokens per request, EOS ignored) and reported per size 
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
 import importlib.util
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -83,6 +86,15 @@ def ct2_model(model: str, folder: Path) -> Path:
     return out_dir
 
 
+@functools.cache
+def converted(model: str) -> Path:
+    """``ct2_model`` once per model and process, in a temporary folder removed at exit (a test
+    session's fixtures and its bench.engine run share one conversion)."""
+    folder = Path(tempfile.mkdtemp(prefix="nightshift-ct2-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return ct2_model(model, folder)
+
+
 def hf_tokenizer(model: str):
     """transformers' tokenizer of `model`: its folder's own, or, for a GGUF file, the
     tokenizer.json and special tokens our cache entry holds."""
@@ -146,17 +158,15 @@ def ct2_results(model: str, prompts: list[list[int]], output_len: int, sizes: li
                 id_to_token: Callable[[int], str], log=print) -> list[PeerResult]:
     """CTranslate2 in int8 and its fastest other compute type, at each batch size."""
     results = []
-    with tempfile.TemporaryDirectory(prefix="nightshift-ct2-") as folder:
-        started = time.time()
-        model_dir = ct2_model(model, Path(folder))
-        log(f"converted for CTranslate2 (int8 weights) in {time.time() - started:.1f} s")
-        for compute_type in ct2_compute_types():
-            for size in sizes:
-                seconds, produced, prompt_tokens = run_ct2(model_dir, compute_type, prompts[:size], output_len,
-                                                           size, threads, id_to_token)
-                results.append(PeerResult(f"CTranslate2 {compute_type}", size, size, seconds, produced,
-                                          prompt_tokens))
-                log(describe(results[-1]))
+    started = time.time()
+    model_dir = converted(model)
+    log(f"converted for CTranslate2 (int8 weights) in {time.time() - started:.1f} s")
+    for compute_type in ct2_compute_types():
+        for size in sizes:
+            seconds, produced, prompt_tokens = run_ct2(model_dir, compute_type, prompts[:size], output_len,
+                                                       size, threads, id_to_token)
+            results.append(PeerResult(f"CTranslate2 {compute_type}", size, size, seconds, produced, prompt_tokens))
+            log(describe(results[-1]))
     return results
 
 

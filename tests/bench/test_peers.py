@@ -22,8 +22,8 @@ def test_peers_are_parsed_in_order_and_hf_means_both_dtypes():
 
 
 @pytest.fixture(scope="module")
-def ct2_dir(tmp_path_factory) -> Path:
-    return peers.ct2_model("default", tmp_path_factory.mktemp("ct2"))
+def ct2_dir() -> Path:
+    return peers.converted("default")       # the conversion bench.engine's CTranslate2 run reuses below
 
 
 @pytest.mark.slow
