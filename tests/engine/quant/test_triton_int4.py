@@ -5,6 +5,7 @@ GPU is present, compiled on the GPU with every candidate configuration on real s
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,8 @@ if device == "cuda":  # real shapes, every candidate the dispatcher may pick (ti
     cases += [(m, n, k, 128, torch.bfloat16, candidates(m, 128, tinygemm=True), 2e-2) for m in (1, 2, 16, 64, 300)
               for n, k in ((4096, 4096), (1024, 14336))]
 checked = 0
-for m, n, k, g, dtype, configs, tol in cases:
+shard, shards = SHARD
+for m, n, k, g, dtype, configs, tol in cases[shard::shards]:
     int4 = quantize_rtn(torch.randn(n, k) * 0.05, g).to(device)
     w = KernelWeight.of(int4)
     x = torch.randn(m, k, device=device)
@@ -73,6 +75,8 @@ for m, n, k, g, dtype, configs, tol in cases:
         assert torch.equal(y, again), (name, "not deterministic")
         checked += 1
 print("checked", checked)
+if shard:   # the dispatcher's own checks below run once, in shard 0
+    raise SystemExit(0)
 # measure(): the correct options timed, fastest first; one computing garbage dropped; none correct: an error
 from nightshift.engine.quant import int4_dispatch
 w = KernelWeight.of(quantize_rtn(torch.randn(64, 128) * 0.05, 32).to(device))
@@ -94,14 +98,25 @@ for key, config in choices().items():
 """
 
 
-def _run(device: str, interpret: bool) -> str:
+def _run(device: str, interpret: bool, shards: int = 1) -> str:
+    """CHECK in `shards` processes at once, each taking every shards-th case (on a GPU the time
+    goes to compiling ~100 kernels one after another: a lent machine's cores compile them side by
+    side; cold, one process took over 180 s on an H200 host). Their outputs, shard 0's first."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-c", CHECK.replace("DEVICE", repr(device))], env=env,
-                          cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(shards)]
+    procs = [subprocess.Popen([sys.executable, "-c", CHECK.replace("DEVICE", repr(device)).replace(
+        "SHARD", repr((i, shards)))], env=env, cwd=REPO, stdout=out, stderr=err, text=True)
+        for i, (out, err) in enumerate(files)]
+    outputs = []
+    for proc, (out, err) in zip(procs, files):
+        proc.wait(timeout=900)
+        out.seek(0)
+        err.seek(0)
+        assert proc.returncode == 0, err.read()[-3000:]
+        outputs.append(out.read())
+    return "".join(outputs)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compiled on the GPU there (the next test); the interpreter "
@@ -117,9 +132,11 @@ def test_triton_int4_kernels_on_the_gpu_when_present(monkeypatch):
     GPU the kernels can only run under the interpreter (the test above); this then checks that
     Int4Linear on CPU does not route to Triton."""
     if torch.cuda.is_available():
-        out = _run("cuda", interpret=False)
+        out = _run("cuda", interpret=False, shards=min(4, os.cpu_count() or 1))
         print(out)
-        assert "checked" in out and "measure ok" in out and "chosen" in out and "untimed" not in out.split("checked")[1]
+        checked = [int(line.split()[1]) for line in out.splitlines() if line.startswith("checked")]
+        assert len(checked) == min(4, os.cpu_count() or 1) and all(checked), out
+        assert "measure ok" in out and "chosen" in out and "untimed" not in out
     else:
         from nightshift.engine.quant.format import quantize_rtn
         from nightshift.engine.quant.int4_linear import Int4Linear
