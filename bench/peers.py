@@ -160,7 +160,7 @@ def ct2_results(model: str, prompts: list[list[int]], output_len: int, sizes: li
     results = []
     started = time.time()
     model_dir = converted(model)
-    log(f"converted for CTranslate2 (int8 weights) in {time.time() - started:.1f} s")
+    log(f"the model for CTranslate2 (int8 weights) ready in {time.time() - started:.1f} s (converted once a process)")
     for compute_type in ct2_compute_types():
         for size in sizes:
             seconds, produced, prompt_tokens = run_ct2(model_dir, compute_type, prompts[:size], output_len,

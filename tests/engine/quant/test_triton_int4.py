@@ -132,10 +132,11 @@ def test_triton_int4_kernels_on_the_gpu_when_present(monkeypatch):
     GPU the kernels can only run under the interpreter (the test above); this then checks that
     Int4Linear on CPU does not route to Triton."""
     if torch.cuda.is_available():
-        out = _run("cuda", interpret=False, shards=min(4, os.cpu_count() or 1))
+        shards = min(4, os.cpu_count() or 1)
+        out = _run("cuda", interpret=False, shards=shards)
         print(out)
         checked = [int(line.split()[1]) for line in out.splitlines() if line.startswith("checked")]
-        assert len(checked) == min(4, os.cpu_count() or 1) and all(checked), out
+        assert len(checked) == shards and all(checked), out
         assert "measure ok" in out and "chosen" in out and "untimed" not in out
     else:
         from nightshift.engine.quant.format import quantize_rtn
