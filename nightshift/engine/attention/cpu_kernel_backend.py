@@ -91,7 +91,8 @@ class CpuKernelAttention(AttentionBackend):
         positions = torch.repeat_interleave(starts - first_row, counts) + torch.arange(rows)
         meta.slot_mapping = pool_slots(tables, positions[:, None], self.block_size).view(-1).to(self.device)
         tables, lens = tables.to(torch.int32), (positions + 1).to(torch.int32)
-        meta.rows = KernelRows(rows, tables, lens, shared_prefix(tables, lens, self.block_size))
+        prefix = shared_prefix(tables, lens, self.block_size) if cpu_prefix_attention.load() is not None else None
+        meta.rows = KernelRows(rows, tables, lens, prefix)      # no AMX: no prefix kernel to look for
         return meta
 
     def store_kv(self, k_cache, v_cache, k, v, meta: CpuKernelMetadata) -> None:
