@@ -64,14 +64,17 @@ def test_validation_takes_the_models_live_workers_serve(pg_db, settings, store):
 
 
 def test_heartbeat_renews_and_registers_again(pg_db, settings):
+    # a clock far past today's: a worker of an earlier test still shutting down may heartbeat into
+    # the session's database (a CI run here saw one's chat names), and at today's times it is live
+    t = 1e12
     with session_scope(pg_db) as s:
-        registry.register(s, "w:1", registry.CHAT, "default", {"default"}, 100.0)
+        registry.register(s, "w:1", registry.CHAT, "default", {"default"}, t + 100.0)
     with session_scope(pg_db) as s:
-        assert registry.heartbeat(s, "w:1", 200.0) == 1
-        assert registry.served_names(s, registry.CHAT, 210.0, 30) == {"default"}
-        assert registry.served_names(s, registry.CHAT, 300.0, 30) is None       # stale: nobody alive
+        assert registry.heartbeat(s, "w:1", t + 200.0) == 1
+        assert registry.served_names(s, registry.CHAT, t + 210.0, 30) == {"default"}
+        assert registry.served_names(s, registry.CHAT, t + 300.0, 30) is None   # stale: nobody alive
         registry.unregister(s, "w:1")
-        assert registry.heartbeat(s, "w:1", 300.0) == 0                          # gone: register again
+        assert registry.heartbeat(s, "w:1", t + 300.0) == 0                      # gone: register again
 
 
 def test_a_waiting_shard_shows_why_is_not_resent_while_workers_back_off_and_ends_model_unavailable(
