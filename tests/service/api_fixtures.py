@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from nightshift.workers import procs
+from tests.service import celery_procs
 
 REPO = procs.REPO
 
@@ -29,7 +30,7 @@ def free_port() -> int:
 
 def service_env(home: Path, **values) -> dict[str, str]:
     """A clean environment for service subprocesses (see nightshift.workers.procs.service_env) with its own home."""
-    return procs.service_env(home=home, **{k: v for k, v in values.items() if v is not None})
+    return celery_procs.service_env(home=home, **{k: v for k, v in values.items() if v is not None})
 
 
 class Service:

@@ -123,7 +123,7 @@ def test_sigterm_stops_serve_within_seconds_and_a_restart_finishes_the_batch(tmp
     input_path, expected = small_input(tmp_path / "input.jsonl", n=12)
     lines = [json.loads(x) for x in input_path.read_text().splitlines()]
     for line in lines:
-        line["body"]["max_tokens"] = 512      # seconds of work on any CPU: still running 2 s in
+        line["body"]["max_tokens"] = 256      # seconds of work on any CPU: still running 2 s in
         line["body"]["ignore_eos"] = True
     input_path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     home = tmp_path / "home"
