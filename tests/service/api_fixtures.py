@@ -29,7 +29,7 @@ def free_port() -> int:
 
 
 def service_env(home: Path, **values) -> dict[str, str]:
-    """A clean environment for service subprocesses (see nightshift.workers.procs.service_env) with its own home."""
+    """A clean environment for service subprocesses with its own home (celery_procs.service_env: the tests' K/V pool)."""
     return celery_procs.service_env(home=home, **{k: v for k, v in values.items() if v is not None})
 
 
