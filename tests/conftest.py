@@ -20,9 +20,22 @@ from nightshift.engine.loader import resolve_model
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# The dev machine's 2 cores are shared by several test runs at once; torch's intra-op threads
-# then wait on each other (measured: a 1-token decode step 0.16 s on 1 thread, 0.7 s on 2).
-torch.set_num_threads(int(os.environ.get("NIGHTSHIFT_TEST_THREADS", "1")))
+# The machine's cores are shared by two test workers (scripts/test.sh) and their subprocesses;
+# torch's intra-op threads then wait on each other (measured: a 1-token decode step 0.16 s on 1
+# thread, 0.7 s on 2). So every test's torch runs on TEST_THREADS, and so does every process a
+# test starts (Celery workers, `nightshift serve`: they inherit OMP_NUM_THREADS).
+TEST_THREADS = int(os.environ.get("NIGHTSHIFT_TEST_THREADS", "1"))
+torch.set_num_threads(TEST_THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """A test that runs a benchmark's main (which sets torch's threads from --threads) leaves the
+    worker's later tests on TEST_THREADS again."""
+    yield
+    if torch.get_num_threads() != TEST_THREADS:
+        torch.set_num_threads(TEST_THREADS)
 
 
 @pytest.fixture(scope="session")

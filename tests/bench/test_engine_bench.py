@@ -1,5 +1,4 @@
 """bench.engine: the workload it builds, its HF baseline model, and the command end to end."""
-import os
 
 import pytest
 import torch
@@ -38,7 +37,7 @@ def test_hf_baseline_model_has_the_same_weights_as_transformers_gguf_load(hf_ref
 def test_bench_command_reports_engine_floor_and_hf():
     lines = []
     report = bench.run(bench.parse_args(["--num-requests", "3", "--output-len", "3", "--hf-batch-sizes", "1,2",
-                                         "--threads", str(min(2, os.cpu_count()))]), log=lines.append)
+                                         "--threads", str(torch.get_num_threads())]), log=lines.append)
     result = report.engine
     assert result.output_tokens == 9 and len(report.prompt_lengths) == 3 and report.output_len == 3
     assert result.prompt_tokens == sum(report.prompt_lengths) and result.seconds > 0
@@ -60,7 +59,7 @@ def test_bench_command_reports_engine_floor_and_hf():
 def test_structured_run_makes_the_same_tokens_under_the_schema():
     lines = []
     report = bench.run(bench.parse_args(["--num-requests", "3", "--output-len", "24", "--skip-hf", "--structured",
-                                         "--repeats", "2", "--threads", str(min(2, os.cpu_count()))]),
+                                         "--repeats", "2", "--threads", str(torch.get_num_threads())]),
                        log=lines.append)
     assert report.structured.output_tokens == report.engine.output_tokens == 3 * 24   # every answer ran to length
     assert report.structured.prompt_tokens == report.engine.prompt_tokens

@@ -2,10 +2,10 @@
 bench extra, on the default model converted through transformers)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+import torch
 
 import bench.engine as bench
 from bench import peers
@@ -54,7 +54,7 @@ def test_ctranslate2_runs_the_workload_at_a_batch_size(ct2_dir):
 def test_bench_engine_reports_each_peer_and_the_fastest():
     lines = []
     report = bench.run(bench.parse_args(["--num-requests", "2", "--output-len", "3", "--hf-batch-sizes", "1,2",
-                                         "--peers", "ct2,llamacpp", "--threads", str(min(2, os.cpu_count()))]),
+                                         "--peers", "ct2,llamacpp", "--threads", str(torch.get_num_threads())]),
                        log=lines.append)
     systems = [r.system for r in report.peers]
     types = peers.ct2_compute_types()
