@@ -14,6 +14,7 @@ import sqlalchemy as sa
 PG_ADMIN_URL = os.environ.get("NIGHTSHIFT_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("NIGHTSHIFT_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 
+DEFAULT_REDIS_DB = 7   # the redis_url fixture's database in a file that names no REDIS_DB of its own
 TABLES_CHILD_FIRST = ("requests", "shards", "batches", "files", "api_keys", "projects")
 
 
@@ -151,11 +152,31 @@ def s3_bucket(s3_server):
     yield name
 
 
+def pytest_collection_modifyitems(config, items):
+    """Each test file that uses Redis has a database of its own (`REDIS_DB` in the module, 7 for
+    the `redis_url` fixture where the module names none): scripts/test.sh runs files on two
+    workers at once, and two files on one database would take each other's Celery messages and
+    empty each other's database. Two files with one number are refused here, before any test runs."""
+    owners: dict[int, str] = {}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is None:
+            continue
+        db = getattr(module, "REDIS_DB", DEFAULT_REDIS_DB if "redis_url" in item.fixturenames else None)
+        if db is None:
+            continue
+        owner = owners.setdefault(db, module.__name__)
+        if owner != module.__name__:
+            raise pytest.UsageError(f"Redis database {db} is used by both {owner} and {module.__name__}: "
+                                    "give one of them a REDIS_DB no other test file uses")
+
+
 @pytest.fixture
-def redis_url():
+def redis_url(request):
+    """The test file's own Redis database (its REDIS_DB, else 7), emptied before and after."""
     import redis
 
-    db = 7
+    db = getattr(request.module, "REDIS_DB", DEFAULT_REDIS_DB)
     client = redis.Redis.from_url(f"{REDIS_URL}/{db}")
     client.ping()
     client.flushdb()

@@ -20,7 +20,7 @@ from .api_fixtures import (Service, api_service, free_port, make_key, production
                            service_env)
 
 
-REDIS_DB = 7   # apart from the other service tests' Redis databases
+REDIS_DB = 15  # apart from the other service tests' Redis databases
 PARAMS = {"model": "default", "max_tokens": 6, "temperature": 0,
           "messages": [{"role": "user", "content": "Say hello."}]}
 

@@ -19,7 +19,8 @@ from nightshift.settings import Settings
 
 from .api_fixtures import Service, free_port, make_key, new_bucket, openai_client, s3_env, service_env
 
-REDIS_URL = "redis://127.0.0.1:6379/8"
+REDIS_DB = 8   # the limiter's buckets and the API's broker; apart from the other files' databases
+REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
 
 
 def test_local_bucket_allows_the_burst_then_the_rate():
@@ -78,7 +79,7 @@ def limited_api(pg_url, s3_server, tmp_path):
     every 0.5 s: slow enough that a loaded machine does not refill the bucket between a refusal
     and the request the test expects to be refused next."""
     redis.Redis.from_url(REDIS_URL).flushdb()
-    env = service_env(tmp_path, database_url=pg_url, broker_url="redis://127.0.0.1:6379/7",
+    env = service_env(tmp_path, database_url=pg_url, broker_url=REDIS_URL,
                       rate_limit_redis_url=REDIS_URL, rate_limit_key_rps=2, rate_limit_key_burst=6,
                       rate_limit_hold_seconds=0,
                       **s3_env(s3_server, new_bucket(s3_server)))

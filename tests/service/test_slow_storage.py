@@ -25,6 +25,7 @@ from .celery_procs import service_env as worker_env
 from .celery_procs import start_worker, stop, wait_for
 
 pytestmark = pytest.mark.slow
+REDIS_DB = 4   # the redis_url fixture's database here, apart from the other files' databases
 
 
 def s3_client(endpoint: str):  # noqa: ANN201
