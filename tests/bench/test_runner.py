@@ -23,12 +23,10 @@ def test_matmul_floor_times_every_linear_and_the_lm_head(fp32_model):
 
 
 def test_times_floor_kernel_and_torch_paths(fp32_model):
-    torch_threads = torch.get_num_threads()
     args = parse_args(["--batch", "2", "--repeats", "1", "--buckets", "64", "--chunk", "16", "--threads", "1",
                        "--min-len", "40", "--max-len", "60", "--shared-blocks", "2"])
     lines = []
-    timings = run(args, model=fp32_model, log=lines.append)
-    torch.set_num_threads(torch_threads)
+    timings = run(args, model=fp32_model, log=lines.append)   # tests/conftest.py restores the threads after
     steps = [(t.what, t.rows, t.cascade, t.bucket) for t in timings]
     c = fp32_model.config
     kernel = cpu_paged_attention.supports(torch.float32, c.num_heads, c.num_kv_heads, c.head_dim)

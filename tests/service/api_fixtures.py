@@ -165,7 +165,7 @@ def production_pipeline(pg_url: str, s3_server: str, tmp_path: Path, redis_db: i
     NIGHTSHIFT_* values for every process."""
     import redis
 
-    broker = f"redis://127.0.0.1:6379/{redis_db}"
+    broker = celery_procs.redis_db_url(redis_db)
     redis.Redis.from_url(broker).flushdb()
     key = "ns-e2e-" + uuid.uuid4().hex
     env = service_env(tmp_path, database_url=pg_url, broker_url=broker, bootstrap_key=key,

@@ -1,6 +1,7 @@
 """Worker subprocess helpers for pipeline tests (see workers/procs.py) and a polling wait."""
 from __future__ import annotations
 
+import os
 import time
 
 from nightshift.workers import procs
@@ -13,6 +14,14 @@ from nightshift.workers.procs import kill_group, start_worker, stop  # noqa: F40
 # Xeon), in every worker of every test, and two or three such workers hold gigabytes at once.
 # A test may pass its own engine_num_kv_blocks; the default pool is what bench.engine runs.
 TEST_KV_BLOCKS = 1024
+
+# The tests' Redis server; each test file that uses it has a database number of its own
+# (`REDIS_DB`, checked at collection in conftest.py).
+REDIS_URL = os.environ.get("NIGHTSHIFT_TEST_REDIS_URL", "redis://127.0.0.1:6379")
+
+
+def redis_db_url(db: int) -> str:
+    return f"{REDIS_URL}/{db}"
 
 
 def service_env(**nightshift: object) -> dict[str, str]:

@@ -11,8 +11,9 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
+from .celery_procs import redis_db_url
+
 PG_ADMIN_URL = os.environ.get("NIGHTSHIFT_TEST_PG_ADMIN_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
-REDIS_URL = os.environ.get("NIGHTSHIFT_TEST_REDIS_URL", "redis://127.0.0.1:6379")
 
 DEFAULT_REDIS_DB = 7   # the redis_url fixture's database in a file that names no REDIS_DB of its own
 TABLES_CHILD_FIRST = ("requests", "shards", "batches", "files", "api_keys", "projects")
@@ -177,10 +178,11 @@ def redis_url(request):
     import redis
 
     db = getattr(request.module, "REDIS_DB", DEFAULT_REDIS_DB)
-    client = redis.Redis.from_url(f"{REDIS_URL}/{db}")
+    url = redis_db_url(db)
+    client = redis.Redis.from_url(url)
     client.ping()
     client.flushdb()
-    yield f"{REDIS_URL}/{db}"
+    yield url
     client.flushdb()
 
 

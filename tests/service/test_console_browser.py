@@ -25,6 +25,7 @@ from nightshift.jobs.costs.formatting import money
 
 from .api_fixtures import (Service, free_port, make_key, new_bucket, openai_client, s3_env,  # noqa: F401
                            service_env)
+from .celery_procs import redis_db_url
 
 REDIS_DB = 14     # apart from the other service tests' Redis databases
 SYSTEM = "You are a terse assistant. Answer in one short sentence."
@@ -59,7 +60,7 @@ def pipeline(pg_url, s3_server, tmp_path_factory):
     import redis
 
     home = tmp_path_factory.mktemp("console-browser")
-    broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
+    broker = redis_db_url(REDIS_DB)
     redis.Redis.from_url(broker).flushdb()
     key = "ns-console-" + uuid.uuid4().hex
     env = service_env(home, database_url=pg_url, broker_url=broker, bootstrap_key=key,

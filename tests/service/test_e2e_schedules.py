@@ -29,6 +29,7 @@ from nightshift.storage.s3 import S3Store
 from nightshift.workers.celery_app import TASK_SCHEDULES_TICK
 
 from .api_fixtures import Service, new_bucket, s3_env, service_env
+from .celery_procs import redis_db_url
 
 REDIS_DB = 13
 
@@ -41,7 +42,7 @@ def ts(day: int) -> float:
 def cluster(pg_db, s3_server, tmp_path):
     import boto3
 
-    broker = f"redis://127.0.0.1:6379/{REDIS_DB}"
+    broker = redis_db_url(REDIS_DB)
     redis.Redis.from_url(broker).flushdb()
     bucket = new_bucket(s3_server)
     env = service_env(tmp_path, database_url=pg_db, broker_url=broker, **s3_env(s3_server, bucket))

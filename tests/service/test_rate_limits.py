@@ -18,9 +18,10 @@ from nightshift.api.rate_limits import Bucket, KeyProjects, LocalLimiter, RateLi
 from nightshift.settings import Settings
 
 from .api_fixtures import Service, free_port, make_key, new_bucket, openai_client, s3_env, service_env
+from .celery_procs import redis_db_url
 
 REDIS_DB = 8   # the limiter's buckets and the API's broker; apart from the other files' databases
-REDIS_URL = f"redis://127.0.0.1:6379/{REDIS_DB}"
+REDIS_URL = redis_db_url(REDIS_DB)
 
 
 def test_local_bucket_allows_the_burst_then_the_rate():
