@@ -4,17 +4,31 @@ from __future__ import annotations
 import functools
 
 
+def _cpuinfo(field: str, path: str = "/proc/cpuinfo") -> str:
+    """The first value of `field` in /proc/cpuinfo ("" where the file or the field is not there)."""
+    try:
+        with open(path) as info:
+            for line in info:
+                name, _, value = line.partition(":")
+                if name.strip() == field:
+                    return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (empty where /proc/cpuinfo is not there)."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset(_cpuinfo("flags").split())
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """The CPU's vendor: "GenuineIntel", "AuthenticAMD" ("" where /proc/cpuinfo is not there).
+    Only for tuning constants measured on one vendor's cores (the attention kernel's prefetch
+    distances); what the CPU can do is `cpu_flags`."""
+    return _cpuinfo("vendor_id")
 
 
 def cpu_has_native_bf16() -> bool:

@@ -56,6 +56,7 @@ from typing import Optional
 
 import torch
 
+from nightshift.engine.cpu_features import cpu_vendor
 from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
 
 SOURCE = r"""
@@ -165,8 +166,8 @@ static inline __attribute__((always_inline)) void scores_block(const int gc, int
 /* The rows' own K/V blocks are scattered through a pool of gigabytes, so a decode call is bound by
    reading them from memory. Each thread takes every T-th row (static schedule) and, while it works
    on one row, walks through the K and V blocks of its next one, a few 64-byte lines at a time
-   (QK_LINES per block of the score pass, PV_LINES per position of the value pass), asking for them
-   ahead of use. A burst of prefetches for a whole row at once, or for the next block only, is
+   (QK_LINES per block of the score pass, PV_LINES per position and KV head of the value pass),
+   asking for them ahead of use. A burst of prefetches for a whole row at once, or for the next block only, is
    mostly dropped by the CPU (its miss buffers are full) and gained nothing; spread like this, a
    256-row call over ~330 positions, each layer's pool in memory (not cache), took 1.75 -> 1.12 ms
    on a 2-core AMD EPYC Zen 5 (ad hoc), against 0.78 ms with everything in cache and 0.67 ms to
@@ -177,9 +178,12 @@ static inline __attribute__((always_inline)) void scores_block(const int gc, int
    memory), with 16 lines per block of the score pass into L1 as before, then 4 into L2: ad hoc, the
    same call 2.46 -> 1.85 ms (1.55 ms with every block in cache); `bench.engine --skip-hf`, the
    attention calls of the run 12.0 / 11.7 -> 9.4 / 9.7 s, output tok/s 719.2 / 699.4 -> 730.1 / 726.7
-   (alternating). */
-#define QK_LINES 4
-#define PV_LINES 1
+   (alternating). How many lines per step pays depends on the core: QK_LINES and PV_LINES come
+   from prefetch_lines() (-D flags). On a 2-core Intel Xeon with AMX (pool on huge pages, 30
+   layers' pools in memory, 256 rows after a 208-position shared prefix), ad hoc: 4 / 1 1.78-1.87
+   ms a call, 8 / 2 1.67, 16 / 4 1.52-1.55, 24 / 3 1.58, 32 / 6 1.65, no prefetch 2.55 (the same
+   rows with every block in L2: 0.81 ms; merely reading the blocks: 0.92 ms); `bench.engine
+   --skip-hf` alternating, the run's after-prefix calls 6.89 / 6.97 -> 6.34 / 6.32 s. */
 struct ahead { const int32_t *tab, *prev; int64_t b, nb, nprev, o; };
 static inline void ahead_start(struct ahead *a, const int32_t *tables, int64_t tw, const int32_t *lens,
                                int64_t r, int64_t n, int64_t bs, int64_t window, int64_t start) {
@@ -430,6 +434,14 @@ _lock = threading.Lock()
 _libs: dict[tuple, Optional[ctypes.CDLL]] = {}
 
 
+def prefetch_lines() -> tuple[int, int]:
+    """The kernel's prefetch distances on this CPU, (lines per block of the score pass, lines per
+    position and KV head of the value pass), each line one of K and one of V of the next row's
+    blocks: measured on Intel Xeons with AMX 16 / 4, on AMD EPYC Zen 4 and Zen 5 4 / 1 (the
+    kernel source's comment has the figures); a CPU of another vendor gets the latter."""
+    return (16, 4) if cpu_vendor() == "GenuineIntel" else (4, 1)
+
+
 def load(group: int = 3, head_dim: int = 64, portable: bool = False,
          kv_dtype: torch.dtype = torch.float32) -> Optional[ctypes.CDLL]:
     """The kernel library for `group` query heads per KV head, `head_dim` and a pool of
@@ -447,7 +459,8 @@ def load(group: int = 3, head_dim: int = 64, portable: bool = False,
         _libs[shape] = None
         if os.environ.get("NIGHTSHIFT_CPU_ATTENTION", "1") == "0":
             return None
-        flags = [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}"]
+        qk_lines, pv_lines = prefetch_lines()
+        flags = [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}", f"-DQK_LINES={qk_lines}", f"-DPV_LINES={pv_lines}"]
         flags += (["-DPORTABLE"] if portable else []) + (["-DKV_BF16"] if kv_dtype == torch.bfloat16 else [])
         lib = load_library(f"paged_attention-g{group}-d{head_dim}", SOURCE, flags)
         if lib is not None:
