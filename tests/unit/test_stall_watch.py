@@ -1,8 +1,10 @@
 """The engine worker's stall watch (workers/stall_watch.py): every thread's stack is written
 once nothing re-armed the watch for its seconds, again while it stays stuck, never while
-steps keep coming, and never after the watch is left."""
+steps keep coming, and never after the watch is left; by faulthandler only when a hang holds
+the GIL."""
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from types import SimpleNamespace
@@ -52,20 +54,34 @@ def test_zero_seconds_never_writes(tmp_path):
         assert log.read() == ""
 
 
-def test_steps_re_arm_it_at_most_every_tenth_of_its_seconds(monkeypatch, tmp_path):
-    """Re-arming starts a watchdog thread (~50 us): a fast engine's steps do it at most once a
-    tenth of the seconds (at most once a second)."""
-    import faulthandler
+def busy_python_work() -> int:
+    return sum(range(2000))
 
-    from nightshift.workers import stall_watch
-    armed, clock = [], [100.0]
-    monkeypatch.setattr(faulthandler, "dump_traceback_later", lambda *a, **k: armed.append(clock[0]))
-    monkeypatch.setattr(stall_watch.time, "monotonic", lambda: clock[0])
-    with open(tmp_path / "log", "w") as log:
-        watch = StallWatch(300, file=log)
-        assert watch.every == 1.0 and StallWatch(2, file=log).every == 0.2
-        with watch:
-            for _ in range(20):                             # a step every 0.25 s for 5 s
-                clock[0] += 0.25
-                watch.arm()
-    assert armed == [100.0, 101.0, 102.0, 103.0, 104.0, 105.0]
+
+def test_a_slow_but_alive_task_is_written_whole_by_the_python_watchdog(tmp_path):
+    """A load or step that runs on without a step report (the common stall: slow, not hung): its
+    stack is read with the GIL, whole, and faulthandler (the hang-with-the-GIL fallback), pushed
+    back all the while, never writes."""
+    with open(tmp_path / "log", "w+") as log:
+        with StallWatch(0.2, file=log):
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                busy_python_work()
+        log.seek(0)
+        written = log.read()
+    assert "Stall: no progress for" in written and "MainThread" in written
+    assert "test_a_slow_but_alive_task_is_written_whole_by_the_python_watchdog" in written
+    assert "Timeout (" not in written                       # faulthandler's header
+
+
+def test_a_hang_holding_the_gil_is_written_by_faulthandler(tmp_path):
+    """A C call that keeps the GIL keeps the Python watchdog from running: faulthandler's C
+    watchdog, no longer pushed back, writes the stacks (frozen while the GIL is held)."""
+    libc = ctypes.PyDLL(None)                               # its calls do not release the GIL
+    with open(tmp_path / "log", "w+") as log:
+        with StallWatch(0.2, file=log):
+            libc.usleep(1_500_000)
+        log.seek(0)
+        written = log.read()
+    assert "Timeout (" in written and "most recent call first" in written
+    assert "test_a_hang_holding_the_gil_is_written_by_faulthandler" in written
