@@ -13,7 +13,9 @@ ratio to HF. --quick is a small version that finishes in about a minute.
 On CPU it also prints the run's matmul floor: how long the linear layers and LM head alone take
 on the token rows the run computed (bench/runner.py), the part of the run no attention,
 scheduling or kernel change outside the GEMMs can remove; with the HF baseline, next to the time
-5x the best HF throughput would allow.
+5x the best HF throughput would allow. --breakdown (CPU) adds where the run's time went, per kind
+of CPU kernel, and the seconds its decode steps' own K/V reads alone take at this machine's memory
+read rate, with the share of the run the matmul floor could at most be beside them (bench/cpu_time.py).
 On CUDA (--device, default auto) it also prints decode MBU and prefill MFU of the engine's runner
 (bench/roofline_bench.py; on CPU only with --peak-bandwidth/--peak-flops). --dummy-weights NAME
 runs random weights of a Llama shape (llama-1b, llama-8b) in both our engine and the HF baseline.
@@ -30,6 +32,7 @@ import os
 import platform
 import random
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -37,6 +40,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from bench.cpu_time import KernelClock, KvReadBound, kv_read_bound
 from bench.dummy_weights import DummyCheckpoint, dummy_engine
 from bench.peers import PeerResult, available, ct2_results, llamacpp_results, parse_peers, token_text
 from bench.peers import describe as describe_peer
@@ -297,6 +301,7 @@ class BenchReport:
     structured: Optional[EngineResult] = None           # --structured
     roofline: Optional[Roofline] = None
     floor: Optional[MatmulFloor] = None
+    breakdown: Optional[KvReadBound] = None                  # --breakdown on CPU
     peers: list[PeerResult] = field(default_factory=list)     # every peer at every batch size; none with --skip-hf
 
     @property
@@ -308,6 +313,23 @@ class BenchReport:
         """Engine output tok/s over the fastest peer's (its best batch size)."""
         best = self.best_peer
         return None if best is None else self.engine.output_tps / best.output_tps
+
+
+def breakdown(engine, clock: KernelClock, result: EngineResult, floor: Optional[MatmulFloor],
+              prompts: list[list[int]], output_len: int, log) -> KvReadBound:
+    """--breakdown: the run's time per kind of CPU kernel, and the floor its K/V reads put under it."""
+    log("\n== where the run's time went (wall time inside the CPU kernels' calls) ==")
+    for line in clock.lines(result.seconds):
+        log(line)
+    runner = engine.runner
+    bound = kv_read_bound(runner.config, runner.kv_dtype, prompts, output_len, engine.config.block_size)
+    log(f"K/V reads: the decode steps read {bound.bytes / 1e9:.1f} GB of their rows' own K/V (after the "
+        f"{bound.shared} shared positions; {bound.step_bytes / 1e6:.0f} MB in the last step); at this machine's "
+        f"{bound.rate / 1e9:.1f} GB/s read rate that is >= {bound.seconds:.1f} s where a step's K/V outgrows the caches")
+    if floor is not None:
+        log(f"so the matmul floor can be at most {floor.seconds / (floor.seconds + bound.seconds):.0%} of such a run "
+            f"({floor.seconds:.1f} s of matmuls, {bound.seconds:.1f} s of K/V reads, nothing else)")
+    return bound
 
 
 def machine() -> str:
@@ -360,6 +382,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also run the workload with a JSON schema on every request and compare")
     parser.add_argument("--repeats", type=int, default=2,
                         help="--structured: runs of each side, alternating; the best of each is compared (default 2)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="CPU: time the run's calls into each kind of CPU kernel, and what its K/V reads alone "
+                             "take at this machine's memory read rate (bench/cpu_time.py)")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -403,7 +428,9 @@ def run(args: argparse.Namespace, log=print) -> BenchReport:
     # choices of every step size the workload makes and the CUDA graphs of its decode batches
     run_engine(engine, prompts if device.startswith("cuda") else prompts[:2], 2)
     engine.reset_prefix_cache()         # every run starts from an empty prefix cache
-    result = run_engine(engine, prompts, output_len)
+    clock = KernelClock() if args.breakdown and device == "cpu" else None
+    with clock.running() if clock is not None else nullcontext():
+        result = run_engine(engine, prompts, output_len)
     report = BenchReport(engine.model_name, engine.runner.num_kv_blocks, lengths, output_len, result)
     total_tps = (result.prompt_tokens + result.output_tokens) / result.seconds
     log("\n== nightshift engine ==")
@@ -428,6 +455,8 @@ def run(args: argparse.Namespace, log=print) -> BenchReport:
             f"layers and LM head alone on its {floor.logits_rows + floor.other_rows} token rows "
             f"({floor.logits_rows} with logits, at {floor.decode_rows}-row steps; the rest at "
             f"{floor.prefill_rows}-row steps without the LM head)")
+    if clock is not None:
+        report.breakdown = breakdown(engine, clock, result, floor, prompts, output_len, log)
     if args.skip_hf:
         return report
     peers = parse_peers(args.peers or f"hf-{args.hf_dtype}")

@@ -56,6 +56,21 @@ def test_bench_command_reports_engine_floor_and_hf():
 
 
 @pytest.mark.slow
+def test_breakdown_times_the_run_s_kernels_and_bounds_its_k_v_reads():
+    lines = []
+    report = bench.run(bench.parse_args(["--num-requests", "3", "--output-len", "4", "--skip-hf", "--breakdown",
+                                         "--threads", str(torch.get_num_threads())]), log=lines.append)
+    bound = report.breakdown
+    assert bound is not None and bound.rate > 0 and bound.shared >= 192     # the ~200-token system prompt
+    assert bound.bytes > bound.step_bytes > 0
+    start = lines.index("\n== where the run's time went (wall time inside the CPU kernels' calls) ==")
+    kinds = [line.split("  ")[0] for line in lines[start + 1:] if not line.startswith(("K/V", "so the"))]
+    assert "linear layers and LM head" in kinds and kinds[-1] == "the rest"
+    assert any(line.startswith("K/V reads: the decode steps read") for line in lines)
+    assert any(line.startswith("so the matmul floor can be at most") for line in lines)
+
+
+@pytest.mark.slow
 def test_structured_run_makes_the_same_tokens_under_the_schema():
     lines = []
     report = bench.run(bench.parse_args(["--num-requests", "3", "--output-len", "24", "--skip-hf", "--structured",
