@@ -167,23 +167,24 @@ static inline __attribute__((always_inline)) void scores_block(const int gc, int
    reading them from memory. Each thread takes every T-th row (static schedule) and, while it works
    on one row, walks through the K and V blocks of its next one, a few 64-byte lines at a time
    (QK_LINES per block of the score pass, PV_LINES per position and KV head of the value pass),
-   asking for them ahead of use. A burst of prefetches for a whole row at once, or for the next block only, is
-   mostly dropped by the CPU (its miss buffers are full) and gained nothing; spread like this, a
-   256-row call over ~330 positions, each layer's pool in memory (not cache), took 1.75 -> 1.12 ms
-   on a 2-core AMD EPYC Zen 5 (ad hoc), against 0.78 ms with everything in cache and 0.67 ms to
-   merely read the blocks. Blocks the row before it reads too (a shared prefix; a prefill chunk's own
-   sequence) are skipped: they are in cache already. The lines go to L2 only (prefetcht2): into L1
-   (prefetcht0) they held the L1's few miss buffers that the row being computed needs, and the
-   prefetch instructions themselves stalled. On a 2-core AMD EPYC Zen 4 (the pool on huge pages, in
-   memory), with 16 lines per block of the score pass into L1 as before, then 4 into L2: ad hoc, the
-   same call 2.46 -> 1.85 ms (1.55 ms with every block in cache); `bench.engine --skip-hf`, the
-   attention calls of the run 12.0 / 11.7 -> 9.4 / 9.7 s, output tok/s 719.2 / 699.4 -> 730.1 / 726.7
-   (alternating). How many lines per step pays depends on the core: QK_LINES and PV_LINES come
-   from prefetch_lines() (-D flags). On a 2-core Intel Xeon with AMX (pool on huge pages, 30
-   layers' pools in memory, 256 rows after a 208-position shared prefix), ad hoc: 4 / 1 1.78-1.87
-   ms a call, 8 / 2 1.67, 16 / 4 1.52-1.55, 24 / 3 1.58, 32 / 6 1.65, no prefetch 2.55 (the same
-   rows with every block in L2: 0.81 ms; merely reading the blocks: 0.92 ms); `bench.engine
-   --skip-hf` alternating, the run's after-prefix calls 6.89 / 6.97 -> 6.34 / 6.32 s. */
+   asking for them ahead of use. A burst of prefetches for a whole row at once, or for the next
+   block only, is mostly dropped by the CPU (its miss buffers are full) and gained nothing; spread
+   like this, a 256-row call over ~330 positions, each layer's pool in memory (not cache), took 1.75
+   -> 1.12 ms on a 2-core AMD EPYC Zen 5 (ad hoc), against 0.78 ms with everything in cache and 0.67
+   ms to merely read the blocks. Blocks the row before it reads too (a shared prefix; a prefill
+   chunk's own sequence) are skipped: they are in cache already. The lines go to L2 only
+   (prefetcht2): into L1 (prefetcht0) they held the L1's few miss buffers that the row being
+   computed needs, and the prefetch instructions themselves stalled. On a 2-core AMD EPYC Zen 4 (the
+   pool on huge pages, in memory), with 16 lines per block of the score pass into L1 as before, then
+   4 into L2: ad hoc, the same call 2.46 -> 1.85 ms (1.55 ms with every block in cache);
+   `bench.engine --skip-hf`, the attention calls of the run 12.0 / 11.7 -> 9.4 / 9.7 s, output tok/s
+   719.2 / 699.4 -> 730.1 / 726.7 (alternating). How many lines per step pays depends on the core:
+   QK_LINES and PV_LINES come from prefetch_lines() (-D flags). On a 2-core Intel Xeon with AMX
+   (pool on huge pages, 30 layers' pools in memory, 256 rows after a 208-position shared prefix), ad
+   hoc: 4 / 1 1.78-1.87 ms a call, 8 / 2 1.67, 16 / 4 1.52-1.55, 24 / 3 1.58, 32 / 6 1.65, no
+   prefetch 2.55 (the same rows with every block in L2: 0.81 ms; merely reading the blocks: 0.92
+   ms); `bench.engine --skip-hf` alternating, the run's after-prefix calls 6.89 / 6.97 -> 6.34 /
+   6.32 s. */
 struct ahead { const int32_t *tab, *prev; int64_t b, nb, nprev, o; };
 static inline void ahead_start(struct ahead *a, const int32_t *tables, int64_t tw, const int32_t *lens,
                                int64_t r, int64_t n, int64_t bs, int64_t window, int64_t start) {
@@ -437,8 +438,8 @@ _libs: dict[tuple, Optional[ctypes.CDLL]] = {}
 def prefetch_lines() -> tuple[int, int]:
     """The kernel's prefetch distances on this CPU, (lines per block of the score pass, lines per
     position and KV head of the value pass), each line one of K and one of V of the next row's
-    blocks: measured on Intel Xeons with AMX 16 / 4, on AMD EPYC Zen 4 and Zen 5 4 / 1 (the
-    kernel source's comment has the figures); a CPU of another vendor gets the latter."""
+    blocks: 16 / 4 on Intel (measured on Xeons with AMX; other Intel cores not measured), 4 / 1
+    elsewhere (measured on AMD EPYC Zen 4 and Zen 5); the kernel source's comment has the figures."""
     return (16, 4) if cpu_vendor() == "GenuineIntel" else (4, 1)
 
 
