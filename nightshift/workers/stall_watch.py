@@ -69,7 +69,10 @@ class StallWatch:
             self._push_back_fallback()
             now = time.monotonic()
             if now >= self.armed_at + self.seconds and now >= due:
-                self._write(now - self.armed_at)
+                try:
+                    self._write(now - self.armed_at)
+                except (OSError, ValueError):     # a closed or full log: the watch (and its push-backs) go on
+                    pass
                 due = now + self.seconds                  # again while it lasts
             else:
                 due = max(due, self.armed_at + self.seconds)

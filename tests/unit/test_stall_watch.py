@@ -85,3 +85,22 @@ def test_a_hang_holding_the_gil_is_written_by_faulthandler(tmp_path):
         written = log.read()
     assert "Timeout (" in written and "most recent call first" in written
     assert "test_a_hang_holding_the_gil_is_written_by_faulthandler" in written
+
+
+def test_a_log_that_cannot_be_written_stops_neither_the_watch_nor_its_push_backs(tmp_path):
+    """Were the Python watchdog to die on a failed write, faulthandler's fallback would no longer be
+    pushed back and would walk the frames of a task that is running."""
+    with open(tmp_path / "log", "w+") as log:
+        watch = StallWatch(0.2, file=log)
+        writes = []
+
+        def failing_write(quiet):
+            writes.append(quiet)
+            raise OSError("disk full")
+        watch._write = failing_write
+        with watch:
+            end = time.monotonic() + 1.0
+            while time.monotonic() < end:
+                busy_python_work()
+        log.seek(0)
+        assert len(writes) >= 2 and "Timeout (" not in log.read()
