@@ -54,7 +54,7 @@ class StallWatch:
     def __exit__(self, *_: object) -> None:
         if self._thread is not None:
             self._stop.set()
-            self._thread.join()
+            self._thread.join(timeout=5)      # a write blocked on a full pipe must not hold the task
             self._thread = None
             faulthandler.cancel_dump_traceback_later()
 
