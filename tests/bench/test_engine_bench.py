@@ -14,6 +14,13 @@ def common_prefix(a, b):
     return n
 
 
+def run_bench(*args: str):
+    """bench.engine's whole run on the test's own torch threads: (report, the lines it logged)."""
+    lines = []
+    report = bench.run(bench.parse_args([*args, "--threads", str(torch.get_num_threads())]), log=lines.append)
+    return report, lines
+
+
 def test_workload_has_one_shared_system_prompt_and_unique_user_turns():
     tokenizer = load_tokenizer("default")
     prompts = bench.build_workload(tokenizer, 24, seed=0)
@@ -35,9 +42,7 @@ def test_hf_baseline_model_has_the_same_weights_as_transformers_gguf_load(hf_ref
 
 @pytest.mark.slow
 def test_bench_command_reports_engine_floor_and_hf():
-    lines = []
-    report = bench.run(bench.parse_args(["--num-requests", "3", "--output-len", "3", "--hf-batch-sizes", "1,2",
-                                         "--threads", str(torch.get_num_threads())]), log=lines.append)
+    report, lines = run_bench("--num-requests", "3", "--output-len", "3", "--hf-batch-sizes", "1,2")
     result = report.engine
     assert result.output_tokens == 9 and len(report.prompt_lengths) == 3 and report.output_len == 3
     assert result.prompt_tokens == sum(report.prompt_lengths) and result.seconds > 0
@@ -57,9 +62,7 @@ def test_bench_command_reports_engine_floor_and_hf():
 
 @pytest.mark.slow
 def test_breakdown_times_the_run_s_kernels_and_bounds_its_k_v_reads():
-    lines = []
-    report = bench.run(bench.parse_args(["--num-requests", "3", "--output-len", "4", "--skip-hf", "--breakdown",
-                                         "--threads", str(torch.get_num_threads())]), log=lines.append)
+    report, lines = run_bench("--num-requests", "3", "--output-len", "4", "--skip-hf", "--breakdown")
     bound = report.breakdown
     assert bound is not None and bound.rate > 0 and bound.shared >= 192     # the ~200-token system prompt
     assert bound.bytes > bound.step_bytes > 0
@@ -72,10 +75,8 @@ def test_breakdown_times_the_run_s_kernels_and_bounds_its_k_v_reads():
 
 @pytest.mark.slow
 def test_structured_run_makes_the_same_tokens_under_the_schema():
-    lines = []
-    report = bench.run(bench.parse_args(["--num-requests", "3", "--output-len", "24", "--skip-hf", "--structured",
-                                         "--repeats", "2", "--threads", str(torch.get_num_threads())]),
-                       log=lines.append)
+    report, lines = run_bench("--num-requests", "3", "--output-len", "24", "--skip-hf", "--structured",
+                              "--repeats", "2")
     assert report.structured.output_tokens == report.engine.output_tokens == 3 * 24   # every answer ran to length
     assert report.structured.prompt_tokens == report.engine.prompt_tokens
     assert report.structured.cached_tokens == report.engine.cached_tokens              # both from an empty cache
