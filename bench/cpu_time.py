@@ -12,8 +12,8 @@ steps an INT4 model runs in one C call per step (models/fused_cpu_stack.py).
 decode row reads the K and V of its own positions (those after the prefix all rows share, which
 is read once per step and stays in cache), in every layer (up to a layer's window), every step.
 At the rate this machine reads memory (`memory_read_rate`) those bytes alone take that long, when
-a step's own K/V is larger than the CPU's caches (the standard workload's: 700 MB a step for the
-default model). Beside the matmul floor it bounds the share of a run the matmuls can be
+a step's own K/V is larger than the CPU's caches (the standard workload's: 0.3-1.1 GB a step
+for the default model). Beside the matmul floor it bounds the share of a run the matmuls can be
 (issue 23's Deliver 3).
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from nightshift.engine.kernels import cpu_fused_ops, cpu_paged_attention, cpu_prefix_attention
+from nightshift.engine.kv_cache import kv_bytes_per_block
 from nightshift.engine.layers import cpu_gemm
 from nightshift.engine.layers.cpu_gemm import best_seconds
 from nightshift.engine.model_config import ModelConfig
@@ -127,7 +128,7 @@ def kv_read_bound(config: ModelConfig, kv_dtype: torch.dtype, prompts: list[list
                   block_size: int) -> KvReadBound:
     """The run's own K/V reads (`own_kv_positions` x the bytes of a position's K and V) and what
     they take at this machine's `memory_read_rate`."""
-    per_position = 2 * config.num_kv_heads * config.head_dim * torch.empty((), dtype=kv_dtype).element_size()
+    per_position = kv_bytes_per_block(config, 1, kv_dtype) // config.num_layers     # one layer's K and V
     shared = shared_prefix_positions(prompts, block_size)
     steps = own_kv_positions(config, [len(p) for p in prompts], output_len, shared) * per_position
     return KvReadBound(int(steps.sum()), int(steps[-1]) if len(steps) else 0, memory_read_rate(), shared)
