@@ -84,8 +84,8 @@ class StallWatch:
             if ident == threading.get_ident():
                 continue
             lines.append(f"Thread 0x{ident:016x} ({names.get(ident, '?')}) (most recent call first):")
-            for entry in reversed(traceback.extract_stack(frame)):
-                lines.append(f'  File "{entry.filename}", line {entry.lineno} in {entry.name}')
+            for f, lineno in traceback.walk_stack(frame):        # most recent first, no source read
+                lines.append(f'  File "{f.f_code.co_filename}", line {lineno} in {f.f_code.co_name}')
             lines.append("")
         self.file.write("\n".join(lines) + "\n")
         self.file.flush()
