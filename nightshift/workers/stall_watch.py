@@ -64,18 +64,19 @@ class StallWatch:
         faulthandler.dump_traceback_later(2 * self.seconds, repeat=True, file=self.file)
 
     def _watch(self) -> None:
-        due = self.armed_at + self.seconds
-        while not self._stop.wait(min(self.seconds / 2, max(0.0, due - time.monotonic()))):
+        written_at = float("-inf")
+        while True:
+            due = max(self.armed_at, written_at) + self.seconds      # again every seconds while it lasts
+            if self._stop.wait(min(self.seconds / 2, max(0.0, due - time.monotonic()))):
+                return
             self._push_back_fallback()
             now = time.monotonic()
-            if now >= self.armed_at + self.seconds and now >= due:
+            if now >= max(self.armed_at, written_at) + self.seconds:
                 try:
                     self._write(now - self.armed_at)
                 except (OSError, ValueError):     # a closed or full log: the watch (and its push-backs) go on
                     pass
-                due = now + self.seconds                  # again while it lasts
-            else:
-                due = max(due, self.armed_at + self.seconds)
+                written_at = now
 
     def _write(self, quiet: float) -> None:
         names = {thread.ident: thread.name for thread in threading.enumerate()}
