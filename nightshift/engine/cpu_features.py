@@ -31,6 +31,15 @@ def cpu_vendor() -> str:
     return _cpuinfo("vendor_id")
 
 
+@functools.cache
+def cpu_family() -> int:
+    """The CPU's family number ("cpu family": 6 for Intel's cores, 25 for AMD Zen 3 and Zen 4, 26
+    for Zen 5; 0 where /proc/cpuinfo does not say). Like `cpu_vendor`, only for tuning constants
+    measured on one kind of core."""
+    value = _cpuinfo("cpu family")
+    return int(value) if value.isdigit() else 0
+
+
 def cpu_has_native_bf16() -> bool:
     """True with AMX bf16 tiles (amx_bf16): the only CPU bf16 matmuls measured faster than float32.
     On the AVX2-only dev box a bf16 linear ran 5-10x slower than float32 (oneDNN emulates bf16

@@ -104,9 +104,9 @@ def test_supports_only_float32_and_its_buffers():
     assert not cpu_paged_attention.supports(torch.float32, 9, 3, cpu_paged_attention.MAX_HEAD_DIM + 1)
 
 
-def test_prefetch_distances_are_per_vendor_and_change_no_bit(monkeypatch):
-    """The lines a row asks for ahead of its next row (measured per vendor) only move data into
-    cache: the kernel built with Intel's distances and with AMD's gives the same bits."""
+def test_prefetch_plans_are_per_core_and_change_no_bit(monkeypatch):
+    """The lines a row asks for ahead of its next row (measured per kind of core) only move data
+    into cache: the kernel built with Intel's plan, Zen 5's and the others' gives the same bits."""
     g = torch.Generator().manual_seed(1)
     k_cache = torch.randn(64, 16, 3, 64, generator=g).bfloat16()
     v_cache = torch.randn(64, 16, 3, 64, generator=g).bfloat16()
@@ -114,11 +114,13 @@ def test_prefetch_distances_are_per_vendor_and_change_no_bit(monkeypatch):
     lens = torch.tensor([128, 1, 17, 100, 64, 33, 127, 90], dtype=torch.int32)
     q = torch.randn(8, 9, 64, generator=g) * 3
     outputs = []
-    for vendor, lines in (("GenuineIntel", (16, 4)), ("AuthenticAMD", (4, 1)), ("", (4, 1))):
+    for vendor, family, plan in (("GenuineIntel", 6, (16, 4, 1)), ("AuthenticAMD", 26, (16, 1, 3)),
+                                 ("AuthenticAMD", 25, (4, 1, 1)), ("", 0, (4, 1, 1))):
         monkeypatch.setattr(cpu_paged_attention, "cpu_vendor", lambda v=vendor: v)
-        assert cpu_paged_attention.prefetch_lines() == lines
+        monkeypatch.setattr(cpu_paged_attention, "cpu_family", lambda f=family: f)
+        assert cpu_paged_attention.prefetch_plan() == plan
         monkeypatch.setattr(cpu_paged_attention, "_libs", {})      # build this vendor's kernel
         if cpu_paged_attention.load(3, 64, kv_dtype=torch.bfloat16) is None:
             pytest.skip("no C compiler here: the runner uses the torch path")
         outputs.append(cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lens, 0.125))
-    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[1], outputs[2])
+    assert all(torch.equal(outputs[0], other) for other in outputs[1:])

@@ -14,3 +14,9 @@ def test_cpuinfo_fields_are_the_first_processor_s(tmp_path):
     assert cpu_features._cpuinfo("model name", str(info)) == "AMD EPYC 9R45"
     assert cpu_features._cpuinfo("microcode", str(info)) == ""
     assert cpu_features._cpuinfo("vendor_id", str(tmp_path / "absent")) == ""
+
+
+def test_cpu_family_is_the_cpuinfo_number_or_zero(monkeypatch):
+    for text, family in (("26", 26), ("6", 6), ("", 0), ("unknown", 0)):
+        monkeypatch.setattr(cpu_features, "_cpuinfo", lambda field, text=text: text if field == "cpu family" else "")
+        assert cpu_features.cpu_family.__wrapped__() == family

@@ -52,11 +52,11 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from nightshift.engine.cpu_features import cpu_vendor
+from nightshift.engine.cpu_features import cpu_family, cpu_vendor
 from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
 
 SOURCE = r"""
@@ -172,19 +172,23 @@ static inline __attribute__((always_inline)) void scores_block(const int gc, int
    like this, a 256-row call over ~330 positions, each layer's pool in memory (not cache), took 1.75
    -> 1.12 ms on a 2-core AMD EPYC Zen 5 (ad hoc), against 0.78 ms with everything in cache and 0.67
    ms to merely read the blocks. Blocks the row before it reads too (a shared prefix; a prefill
-   chunk's own sequence) are skipped: they are in cache already. The lines go to L2 only
+   chunk's own sequence) are skipped: they are in cache already. On Zen 4 the lines go to L2 only
    (prefetcht2): into L1 (prefetcht0) they held the L1's few miss buffers that the row being
    computed needs, and the prefetch instructions themselves stalled. On a 2-core AMD EPYC Zen 4 (the
    pool on huge pages, in memory), with 16 lines per block of the score pass into L1 as before, then
    4 into L2: ad hoc, the same call 2.46 -> 1.85 ms (1.55 ms with every block in cache);
    `bench.engine --skip-hf`, the attention calls of the run 12.0 / 11.7 -> 9.4 / 9.7 s, output tok/s
    719.2 / 699.4 -> 730.1 / 726.7 (alternating). How many lines per step pays depends on the core:
-   QK_LINES and PV_LINES come from prefetch_lines() (-D flags). On a 2-core Intel Xeon with AMX
+   QK_LINES, PV_LINES and the hint (PF_HINT: 1 prefetcht2, 3 prefetcht0) come from prefetch_plan()
+   (-D flags). On a 2-core Intel Xeon with AMX
    (pool on huge pages, 30 layers' pools in memory, 256 rows after a 208-position shared prefix), ad
    hoc: 4 / 1 1.78-1.87 ms a call, 8 / 2 1.67, 16 / 4 1.52-1.55, 24 / 3 1.58, 32 / 6 1.65, no
    prefetch 2.55 (the same rows with every block in L2: 0.81 ms; merely reading the blocks: 0.92
    ms); `bench.engine --skip-hf` alternating, the run's after-prefix calls 6.89 / 6.97 -> 6.34 /
-   6.32 s. */
+   6.32 s. On a 2-core AMD EPYC Zen 5 (the same call, 30 layers' pools in memory, 324 positions on
+   average): 4 / 1 into L2 1.17-1.23 ms, 16 / 1 into L2 1.11, into L1 4 / 1 1.12-1.14, 8 / 1
+   1.09, **16 / 1 1.05-1.07**, 24 / 1 1.07, 32 / 1 1.08; 4 / 2 1.51 (its walk is done early in the
+   value pass), 36 / 0 1.16; with every block in cache 0.83. */
 struct ahead { const int32_t *tab, *prev; int64_t b, nb, nprev, o; };
 static inline void ahead_start(struct ahead *a, const int32_t *tables, int64_t tw, const int32_t *lens,
                                int64_t r, int64_t n, int64_t bs, int64_t window, int64_t start) {
@@ -200,8 +204,8 @@ static inline void ahead_step(struct ahead *a, const char *k, const char *v, int
     while (lines > 0 && a->b < a->nb) {
         if (a->o == 0 && a->b < a->nprev && a->prev[a->b] == a->tab[a->b]) { a->b++; continue; }
         const int64_t at = (int64_t)a->tab[a->b] * block_bytes + a->o;
-        __builtin_prefetch(k + at, 0, 1);
-        __builtin_prefetch(v + at, 0, 1);
+        __builtin_prefetch(k + at, 0, PF_HINT);
+        __builtin_prefetch(v + at, 0, PF_HINT);
         lines--;
         if ((a->o += 64) >= block_bytes) { a->o = 0; a->b++; }
     }
@@ -435,12 +439,26 @@ _lock = threading.Lock()
 _libs: dict[tuple, Optional[ctypes.CDLL]] = {}
 
 
-def prefetch_lines() -> tuple[int, int]:
-    """The kernel's prefetch distances on this CPU, (lines per block of the score pass, lines per
-    position and KV head of the value pass), each line one of K and one of V of the next row's
-    blocks: 16 / 4 on Intel (measured on Xeons with AMX; other Intel cores not measured), 4 / 1
-    elsewhere (measured on AMD EPYC Zen 4 and Zen 5); the kernel source's comment has the figures."""
-    return (16, 4) if cpu_vendor() == "GenuineIntel" else (4, 1)
+class PrefetchPlan(NamedTuple):
+    """How a row walks its next row's K/V blocks ahead of use (`struct ahead` in the kernel source):
+    lines per block of the score pass and per position and KV head of the value pass (each line
+    one of K and one of V), and the prefetch hint (``__builtin_prefetch`` locality: 1 is
+    prefetcht2, into L2; 3 is prefetcht0, into L1)."""
+    qk_lines: int
+    pv_lines: int
+    hint: int
+
+
+def prefetch_plan() -> PrefetchPlan:
+    """The walk that measured fastest on this kind of core (the kernel source's comment has the
+    figures): Intel 16 / 4 into L2 (Xeons with AMX; other Intel cores not measured), AMD Zen 5
+    (family 26) 16 / 1 into L1, anything else 4 / 1 into L2 (AMD Zen 4, where 16 lines into L1
+    were 30% slower, and Zen 3)."""
+    if cpu_vendor() == "GenuineIntel":
+        return PrefetchPlan(16, 4, 1)
+    if cpu_vendor() == "AuthenticAMD" and cpu_family() >= 26:
+        return PrefetchPlan(16, 1, 3)
+    return PrefetchPlan(4, 1, 1)
 
 
 def load(group: int = 3, head_dim: int = 64, portable: bool = False,
@@ -460,8 +478,9 @@ def load(group: int = 3, head_dim: int = 64, portable: bool = False,
         _libs[shape] = None
         if os.environ.get("NIGHTSHIFT_CPU_ATTENTION", "1") == "0":
             return None
-        qk_lines, pv_lines = prefetch_lines()
-        flags = [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}", f"-DQK_LINES={qk_lines}", f"-DPV_LINES={pv_lines}"]
+        plan = prefetch_plan()
+        flags = [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}", f"-DQK_LINES={plan.qk_lines}",
+                 f"-DPV_LINES={plan.pv_lines}", f"-DPF_HINT={plan.hint}"]
         flags += (["-DPORTABLE"] if portable else []) + (["-DKV_BF16"] if kv_dtype == torch.bfloat16 else [])
         lib = load_library(f"paged_attention-g{group}-d{head_dim}", SOURCE, flags)
         if lib is not None:
