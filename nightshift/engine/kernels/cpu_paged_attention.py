@@ -57,7 +57,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from nightshift.engine.cpu_features import cpu_family, cpu_vendor
-from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
+from nightshift.engine.kernels.c_library import EXP16_AVX512, OPTIMIZE, load_library
 
 SOURCE = r"""
 #include <math.h>
@@ -68,7 +68,7 @@ SOURCE = r"""
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
-
+""" + EXP16_AVX512 + r"""
 /* GQ (query heads per KV head) and HD (head dim) are compile-time constants (-D), so the
    loops over them unroll and one (row, KV head)'s accumulators stay in registers. KV_BF16: the
    pool holds bfloat16 K/V (widened to float32 as they are read; the arithmetic is float32). */
@@ -96,27 +96,6 @@ static inline __m512 fold4(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
     const __m512d a = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v0, v1), _mm512_unpackhi_ps(v0, v1)));
     const __m512d b = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(v2, v3), _mm512_unpackhi_ps(v2, v3)));
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-}
-/* e^x of 16 floats, inline (glibc's vector expf is a call per 16 and took ~12% of a decode call on
-   a Zen 5): x = n ln2 + r (|r| <= ln2 / 2), e^r by its Taylor series to r^7 (relative error under
-   1e-8 before the float32 roundings), scaled by 2^n; 0 below -87.3 (e^-87.3 is under float32's
-   smallest normal), so a masked or padding score of -inf gets probability 0 */
-static inline __m512 exp16(__m512 x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);     /* ln2 in two parts */
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 e = _mm512_set1_ps(1.f / 5040.f);
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 720.f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120.f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24.f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6.f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
-    return _mm512_maskz_scalef_ps(live, e, n);
 }
 static inline __m512 sum16_last(const __m512 x[4]) {
     __m512 y[2];

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 from nightshift.engine.cpu_features import cpu_flags
-from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
+from nightshift.engine.kernels.c_library import EXP16_AVX512, OPTIMIZE, load_library
 
 SOURCE = r"""
 #include <math.h>
@@ -52,24 +52,7 @@ int amx_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEAT
 
 struct tilecfg { uint8_t palette; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
-/* e^x of 16 floats: x = n ln2 + r (|r| <= ln2 / 2), e^r by its Taylor series to r^6 (error below
-   2e-7 relative), scaled by 2^n; x below -87 counts as -87 (e^-87 ~ 1.6e-38: nothing beside a
-   row's largest probability, 1) */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 e = _mm512_set1_ps(1.f / 720.f);
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 120.f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 24.f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f / 6.f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(0.5f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
-    e = _mm512_fmadd_ps(e, r, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(e, n);
-}
+""" + EXP16_AVX512 + r"""
 /* 16 floats as three bfloat16 parts, each the rounded remainder of the ones before (to nearest
    even): hi + mid + lo holds all of a float32's 24 significant bits */
 static inline __m512 bf16_widen(__m256bh h) {
@@ -151,7 +134,7 @@ void prefix_attention(const float *q, const uint16_t *k_cache, const uint16_t *v
                 /* softmax numerators, split into the output product's A operands */
                 for (int r = 0; r < 16; r++) {
                     float *sr = s + r * PP;
-                    for (int64_t p = P; p < PP; p++) sr[p] = -INFINITY;        /* padding: probability ~0 */
+                    for (int64_t p = P; p < PP; p++) sr[p] = -INFINITY;        /* padding: probability 0 */
                     __m512 mv = _mm512_set1_ps(-3.0e38f), tv = _mm512_setzero_ps();
                     for (int64_t p = 0; p < PP; p += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(sr + p));
                     const float mr = _mm512_reduce_max_ps(mv);
