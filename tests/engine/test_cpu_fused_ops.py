@@ -62,12 +62,26 @@ def test_gelu_tanh_mul_of_the_gate_and_up_halves():
     assert (out == expected).float().mean() > 0.95
 
 
-def test_silu_mul_of_the_gate_and_up_halves():
+@pytest.mark.parametrize("width", [1536, 37])     # whole AVX-512 vectors; and a scalar tail
+def test_silu_mul_of_the_gate_and_up_halves(width):
     g = torch.Generator().manual_seed(1)
-    gate_up = (torch.randn(19, 2 * 1536, generator=g) * 4).to(torch.bfloat16)
-    gate, up = gate_up.float().split(1536, dim=-1)
+    gate_up = (torch.randn(19, 2 * width, generator=g) * 4).to(torch.bfloat16)
+    gate, up = gate_up.float().split(width, dim=-1)
     expected = (F.silu(gate) * up).to(torch.bfloat16)
     assert within_one_bf16_step(cpu_fused_ops.silu_mul(gate_up), expected)
+
+
+def test_silu_mul_at_the_edges_of_float32():
+    """Gates far out and not finite, in the vector loop and in the tail: torch's values (its
+    NaNs too), a silu that underflows giving zero or torch's tiny value."""
+    edges = [float("-inf"), float("inf"), float("nan"), -100.0, 100.0, -88.0, 89.0, 0.0, -1e-30, 3.0]
+    gate = torch.tensor((edges * 4)[:37])
+    gate_up = torch.cat([gate, torch.full_like(gate, 1.5)]).view(1, -1).to(torch.bfloat16)
+    expected = (F.silu(gate_up.float()[:, :37]) * 1.5).to(torch.bfloat16)
+    out = cpu_fused_ops.silu_mul(gate_up)
+    assert torch.equal(out.isnan(), expected.isnan())
+    close = (out.float() - expected.float()).abs() <= expected.float().abs() * 2 ** -7 + 1e-30
+    assert ((out == expected) | close | expected.isnan()).all()      # == for the infinities
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])

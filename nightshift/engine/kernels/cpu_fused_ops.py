@@ -34,12 +34,13 @@ from typing import Optional
 
 import torch
 
-from nightshift.engine.kernels.c_library import OPTIMIZE, load_library
+from nightshift.engine.kernels.c_library import EXP16_AVX512, OPTIMIZE, load_library
 
 SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+""" + EXP16_AVX512 + r"""
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f;
@@ -84,8 +85,27 @@ void add_rms_norm(float *x, const uint16_t *delta, const float *delta_w, const f
     }
 }
 
+#ifdef __AVX512F__
+/* 16 bfloat16 <-> float32: the bits of bf16_to_f32 and f32_to_bf16 above (with avx512_bf16's one
+   instruction, but for a NaN's payload and float32 denormals, which it rounds to zero) */
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline void f32x16_to_bf16(uint16_t *p, __m512 x) {
+#ifdef __AVX512BF16__
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+#else
+    const __m512i u = _mm512_castps_si512(x);
+    __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+    r = _mm512_mask_mov_epi32(_mm512_srli_epi32(r, 16), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+#endif
+}
+#endif
+
 /* gate_up [T, 2I] bf16 (gate first) -> out [T, I] bf16 = act(gate) * up, act silu or (gelu != 0)
-   the tanh-approximated gelu (Gemma's GeGLU) */
+   the tanh-approximated gelu (Gemma's GeGLU); SiLU's e^-x inline on AVX-512 (exp16) */
 void act_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I, int64_t gelu) {
     #pragma omp parallel for schedule(static) if (T > 1)      /* one row: no team to wake */
     for (int64_t t = 0; t < T; t++) {
@@ -99,10 +119,24 @@ void act_mul(const uint16_t *gate_up, uint16_t *out, int64_t T, int64_t I, int64
                 o[i] = f32_to_bf16(act * bf16_to_f32(u[i]));
             }
         } else {
-            #pragma omp simd
-            for (int64_t i = 0; i < I; i++) {
-                const float a = bf16_to_f32(g[i]);
-                o[i] = f32_to_bf16(a / (1.f + expf(-a)) * bf16_to_f32(u[i]));
+            /* silu(a) = a * sigmoid(a), sigmoid from t = e^-|a| (never above 1): 1 / (1 + t) for a >= 0,
+               t / (1 + t) below. a / (1 + e^-a) overflowed for a gate below -88.7: e^-a = inf, and a
+               vector division under -ffast-math is a reciprocal estimate refined by a Newton step,
+               which turns 1 / inf into NaN (the whole row's next layers NaN with it). */
+            int64_t i = 0;
+#ifdef __AVX512F__
+            for (; i + 16 <= I; i += 16) {
+                const __m512 a = bf16x16_to_f32(g + i);
+                const __m512 t = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(a)));
+                const __mmask16 negative = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_LT_OQ);
+                const __m512 num = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), negative, t);
+                const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.f), t));
+                f32x16_to_bf16(o + i, _mm512_mul_ps(_mm512_mul_ps(a, sig), bf16x16_to_f32(u + i)));
+            }
+#endif
+            for (int64_t j = i; j < I; j++) {
+                const float a = bf16_to_f32(g[j]), t = expf(-fabsf(a));
+                o[j] = f32_to_bf16(a * ((a < 0.f ? t : 1.f) / (1.f + t)) * bf16_to_f32(u[j]));
             }
         }
     }
