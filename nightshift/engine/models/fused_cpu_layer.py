@@ -121,7 +121,11 @@ class FusedCpuLayer(_FusedLayer):
         h = cpu_fused_ops.add_rms_norm(x, None, self.input_norm, self.eps)
         h = cpu_fused_ops.add_rms_norm(x, self.attend(h, cos, sin, kv_cache, attention, meta), self.post_norm,
                                        self.post_eps)
-        return x.add_(self.down.linear_bf16(cpu_fused_ops.silu_mul(self.gate_up.linear_bf16(h))))
+        # the residual add in the C kernel: float32 += bfloat16, the bits of x.add_, without torch's
+        # promotion of the bfloat16 operand (~12 against ~5 us a 256-row step, ad hoc, Zen 5)
+        cpu_fused_ops.add_rms_norm(x, self.down.linear_bf16(cpu_fused_ops.silu_mul(self.gate_up.linear_bf16(h))),
+                                   None, self.eps)
+        return x
 
 
 class FusedGemmaCpuLayer(_FusedLayer):
