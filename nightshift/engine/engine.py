@@ -27,7 +27,7 @@ from nightshift.engine.models import fused_cpu_layer, fused_gpu_layer
 from nightshift.engine.model_runner import ModelRunner
 from nightshift.engine.quant.config import resolve_quant_config
 from nightshift.engine.request_validation import check_request
-from nightshift.engine.sampler import late_maskable, sample
+from nightshift.engine.sampler import late_maskable, plain_greedy, sample
 from nightshift.engine.scheduler import ScheduledSeq, Scheduler
 from nightshift.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from nightshift.engine.step import StepItem
@@ -277,7 +277,9 @@ class Engine:
         if self._masks is not None and sampled:   # rows masked before sampling, computed beside the model
             pending = self._masks.start([s.matcher if s.matcher is not None and not late_maskable(s.sampling)
                                          else None for s in sampled])
-        logits = self.runner.execute(items)
+        # a step of argmaxes only takes the logits as the LM head computes them (sampler module docstring)
+        plain = all(plain_greedy(s.sampling) and s.matcher is None for s in sampled)
+        logits = self.runner.execute(items, float_logits=not plain)
         self.scheduler.complete_step(scheduled)
         masks = pending.wait() if pending is not None else None
         if any(seq.forks_pending for seq in sampled):

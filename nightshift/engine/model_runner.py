@@ -58,8 +58,12 @@ class ModelRunner:
         return self.config.max_position_embeddings
 
     @torch.inference_mode()
-    def execute(self, items: list[StepItem]) -> torch.Tensor:
-        """float32 logits `[number of items with need_logits, vocab_size]`, in item order."""
+    def execute(self, items: list[StepItem], float_logits: bool = True) -> torch.Tensor:
+        """float32 logits `[number of items with need_logits, vocab_size]`, in item order. With
+        `float_logits` False (a step that needs only each row's argmax: sampler.plain_greedy), the
+        logits as the LM head computes them where that is narrower (LlamaForCausalLM.project_logits:
+        bfloat16 from the CPU's bf16 head, or a bfloat16 model's), each value exactly what float32
+        would hold."""
         if not items:
             raise ValueError("execute() needs at least one StepItem")
         for index, item in enumerate(items):
@@ -80,7 +84,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         wanted = [last_row[i] for i, item in enumerate(items) if item.need_logits]
         logits_rows = torch.tensor(wanted, dtype=torch.long, device=device)
-        logits = self.model(input_ids, pos, self.kv_caches, self.attention, meta, logits_rows)
+        logits = self.model(input_ids, pos, self.kv_caches, self.attention, meta, logits_rows, float_logits)
         return logits if wanted else torch.empty(0, self.config.vocab_size, dtype=torch.float32, device=device)
 
     @torch.inference_mode()

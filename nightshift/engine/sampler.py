@@ -16,6 +16,10 @@ constrained rows with top-k, top-p or min_p (those depend on which tokens the ma
 a row whose token its grammar refuses is masked and picks again from the same scores (its
 logits, or its race's probs / noise): masking only removes candidates, so an accepted winner is
 the masked winner too, and a re-pick is the token masking first would have given.
+
+A step whose every row is `plain_greedy` needs only each row's argmax: the engine asks the model
+for the logits as its LM head computes them (bfloat16 on the CPU's bf16 math, each value exactly
+what float32 holds of it), and the argmax kernel reads those. Any other step's logits are float32.
 """
 from __future__ import annotations
 
@@ -30,6 +34,19 @@ from nightshift.engine.logits_processors import (TokenHistory, add_logit_bias, a
 from nightshift.engine.types import SamplingParams
 
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are treated as greedy
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+    """A row whose token is the argmax of its raw logits: greedy, no logprobs, nothing that changes
+    the logits (logit_bias, min_tokens, penalties); a grammar is the caller's to rule out."""
+    return (params.temperature < GREEDY_TEMPERATURE and not params.logprobs and not params.logit_bias
+            and not _history(params))
+
+
+def _history(params: SamplingParams) -> bool:
+    """Whether the row's logits depend on its tokens so far (min_tokens, penalties)."""
+    return bool(params.min_tokens or params.repetition_penalty != 1.0 or params.frequency_penalty
+                or params.presence_penalty)
 
 
 class LateMasks(Protocol):
@@ -71,11 +88,15 @@ def sample(logits: torch.Tensor, params: Seq[SamplingParams], generators: Seq[Op
            histories: Optional[Seq[TokenHistory]] = None, eos_token_ids: Seq[int] = (),
            masks: Optional[tuple[list[int], torch.Tensor]] = None,
            late: Optional[LateMasks] = None) -> SampleResult:
-    """logits: float32 [batch, vocab], one row per entry of params/generators (and histories: each
+    """logits: float32 [batch, vocab] (or bfloat16 where every row is `plain_greedy` and nothing is
+    masked: taken as float32 otherwise), one row per entry of params/generators (and histories: each
     row's tokens so far, needed by penalties and min_tokens). masks: (rows, int32 bitmask) of the
     constrained rows masked first; late: those checked after sampling (module docstring). The
     logits may be changed in place."""
     batch, vocab = logits.shape
+    if logits.dtype != torch.float32 and not (all(map(plain_greedy, params)) and not masks
+                                              and (late is None or not late.rows)):
+        logits = logits.float()
     want = [i for i, p in enumerate(params) if p.logprobs]
     processed, dead_ends = _processed(logits, params, histories, eos_token_ids, masks, keep_raw=bool(want))
     tokens, scores = _choose(processed, params, generators)
@@ -118,8 +139,7 @@ def _processed(logits: torch.Tensor, params: Seq[SamplingParams], histories: Opt
     """The logits after bias, min_tokens, grammar masks and penalties (a copy when the raw ones
     are still needed for logprobs); the rows whose grammar allows nothing."""
     bias = any(p.logit_bias for p in params)
-    history = any(p.min_tokens or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
-                  for p in params)
+    history = any(map(_history, params))
     if not (bias or history or masks):
         return logits, []
     if history and histories is None:

@@ -173,6 +173,11 @@ def test_the_real_model_on_each_path_follows_float32(math, fp32_model, default_m
         choices[name] = torch.stack(steps)
     agreement = (choices["float32"] == choices[math]).float().mean().item()
     assert agreement >= {"bf16": 0.9, "int8": 0.75}[math], agreement
+    # a step of argmaxes only takes the logits as the head computes them: on bf16, its bfloat16
+    # values, which the float32 logits are widened (LlamaForCausalLM.project_logits)
+    narrow = runner.execute(items, float_logits=False)
+    assert narrow.dtype == (torch.bfloat16 if math == "bf16" else torch.float32)
+    assert torch.equal(narrow.float(), runner.execute(items))
     from nightshift.engine.engine import Engine
     engine = Engine.from_model(model, tokenizer, "m", max_num_seqs=2, num_kv_blocks=8)
     fused = ", fused layers, bfloat16 K/V" if math == "bf16" else ""     # models/fused_cpu_layer.py

@@ -1,5 +1,6 @@
 """Sampler: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
 import math
+from types import SimpleNamespace
 
 import torch
 
@@ -101,3 +102,33 @@ def test_logprobs_are_raw_log_softmax_of_chosen_tokens():
     for i in (0, 1):
         assert math.isclose(out.logprobs[i], float(ref[i, out.token_ids[i]]), abs_tol=1e-5)
     assert out.logprobs[2] is None
+
+
+def test_bfloat16_logits_plain_greedy_rows_take_their_argmax():
+    """A step of argmaxes only (sampler.plain_greedy) may come as the LM head's bfloat16 logits:
+    the tokens are those of the same values as float32, ties to the first index."""
+    from nightshift.engine.sampler import plain_greedy
+    logits = logits_rows(8, seed=11).bfloat16()
+    logits[3, 7] = logits[3, 40] = 99.0                 # a tie
+    params = [SamplingParams(temperature=0)] * 8
+    assert all(map(plain_greedy, params))
+    out = sample(logits, params, [None] * 8)
+    assert out.token_ids == logits.float().argmax(-1).tolist() and out.token_ids[3] == 7
+
+
+def test_bfloat16_logits_of_other_rows_are_taken_as_float32():
+    """Rows that are not plain greedy (logprobs, a bias, penalties, temperature) get what the same
+    values as float32 give."""
+    from nightshift.engine.sampler import plain_greedy
+    logits = logits_rows(4, seed=12).bfloat16()
+    params = [SamplingParams(temperature=0, logprobs=True), SamplingParams(temperature=0, logit_bias={3: 50.0}),
+              SamplingParams(temperature=0, repetition_penalty=1.3), SamplingParams(temperature=0.7, seed=5)]
+    assert not any(map(plain_greedy, params))
+    gens = [None, None, None, torch.Generator().manual_seed(5)]
+    history = SimpleNamespace(token_ids=[1, 2], num_prompt_tokens=1)
+    histories = [history] * 4
+    out = sample(logits.clone(), params, gens, histories)
+    gens[3] = torch.Generator().manual_seed(5)
+    expected = sample(logits.float(), params, gens, histories)
+    assert out.token_ids == expected.token_ids and out.token_ids[1] == 3
+    assert out.logprobs[0] == expected.logprobs[0]

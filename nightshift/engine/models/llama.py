@@ -314,9 +314,11 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attention: AttentionBackend, meta: StepMetadata,
-                logits_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                logits_rows: Optional[torch.Tensor] = None, float_logits: bool = True) -> torch.Tensor:
         """input_ids, positions: [T], rows in `meta`'s order. Returns float32 logits for
-        `logits_rows` (indices into T), or for every row when None."""
+        `logits_rows` (indices into T), or for every row when None; with `float_logits` False, as
+        the head computes them (``project_logits``; bfloat16 on the CPU's bf16 math, or from a
+        bfloat16 model)."""
         x = self.embed(input_ids)
         rope = {name: table(positions, self.dtype) for name, table in self.rotary.items()}
         layers = self.layers
@@ -331,18 +333,25 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, *rope[which], kv_cache, attention, meta)
         if logits_rows is not None:
             x = x.index_select(0, logits_rows)
-        return self.project_logits(self.norm(x)).float()
+        logits = self.project_logits(self.norm(x), float_logits)
+        return logits.float() if float_logits else logits
 
-    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def project_logits(self, hidden: torch.Tensor, float_logits: bool = True) -> torch.Tensor:
         """The LM head on final hidden states `[..., hidden_size]` (the tied embedding or lm_head;
         an INT4 model's calls of a few rows, or every call of one on int8 activations, the GGUF's Q8_0
-        blocks of it), soft-capped where the config says so (Gemma 2)."""
+        blocks of it), soft-capped where the config says so (Gemma 2). With `float_logits` False, a
+        head on the CPU's bf16 math gives its bfloat16 results as they are: its float32 logits are
+        those values widened, so a greedy step's argmax is the same, and the copy to float32 (~2% of
+        a `bench.engine` run on a Zen 5) is not made."""
+        cap, head = self.config.final_logit_softcapping, self.lm_head
         q8 = self.q8_head is not None and hidden.dim() == 2
         if q8 and self.q8_head_int8:
             logits = self.q8_head.linear_int8(hidden)
         elif q8 and hidden.shape[0] <= self.q8_head_rows:
             logits = self.q8_head.linear(hidden)
+        elif (not float_logits and cap is None and type(head) is DenseLinear and head.bias is None
+              and isinstance(head.packed, cpu_math.Bf16Weight)):
+            return head.packed.linear_bf16(hidden.to(torch.bfloat16))
         else:
-            logits = F.linear(hidden, self.embed_tokens) if self.lm_head is None else self.lm_head(hidden)
-        cap = self.config.final_logit_softcapping
+            logits = F.linear(hidden, self.embed_tokens) if head is None else head(hidden)
         return logits if cap is None else torch.tanh(logits / cap) * cap

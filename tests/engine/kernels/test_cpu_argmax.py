@@ -13,13 +13,15 @@ def _kernel():
         pytest.skip("no C compiler here: the sampler uses torch's argmax")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, vocab", [(1, 1), (3, 7), (256, 49152), (5, 1000)])
-def test_matches_torch_argmax(rows, vocab):
-    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab))
-    assert torch.equal(cpu_argmax.row_argmax(x), x.argmax(dim=-1))
+def test_matches_torch_argmax(rows, vocab, dtype):
+    x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(vocab)).to(dtype)
+    assert torch.equal(cpu_argmax.row_argmax(x), x.float().argmax(dim=-1))
 
 
-def test_ties_infinities_and_nan_as_torch():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ties_infinities_and_nan_as_torch(dtype):
     x = torch.randn(6, 300, generator=torch.Generator().manual_seed(0))
     x[0, 5] = x[0, 250] = 100.0                       # a tie: the first index
     x[1, 17] = float("nan"); x[1, 3] = float("nan")  # NaN wins, the first NaN
@@ -27,13 +29,14 @@ def test_ties_infinities_and_nan_as_torch():
     x[3, 299] = float("inf")                          # +inf at the last index
     x[4, :] = 1.0                                     # all equal: index 0
     x[5, 0] = float("nan")
-    expected = x.argmax(dim=-1)
+    x = x.to(dtype)                                   # bfloat16: more ties, the same first index
+    expected = x.float().argmax(dim=-1)
     assert expected.tolist()[:5] == [5, 3, 0, 299, 0]
     assert torch.equal(cpu_argmax.row_argmax(x), expected)
 
 
 def test_other_tensors_take_torchs_argmax():
     x = torch.randn(4, 64)
-    for other in (x.bfloat16(), x.t(), x[0]):
+    for other in (x.half(), x.t(), x[0]):
         assert torch.equal(cpu_argmax.row_argmax(other), other.argmax(dim=-1))
     assert cpu_argmax.row_argmax(torch.empty(0, 10)).shape == (0,)
