@@ -25,8 +25,8 @@ from nightshift.engine.cpu_features import cpu_flags
 OPTIMIZE = ["-O3", "-march=native", "-fopenmp"]
 
 # e^x of 16 floats on AVX-512F (defined only where the build has AVX-512F), for a kernel's source to
-# include: the softmax of the attention kernels, SiLU: inline, where glibc's vector expf is a call per 16 lanes (~12% of a
-# decode attention call on a Zen 5, ~25% of a SiLU-and-mul call)
+# include (the softmax of the attention kernels, SiLU): inline, where glibc's vector expf is a call
+# per 16 lanes (~12% of a decode attention call on a Zen 5, ~25% of a SiLU-and-mul call)
 EXP16_AVX512 = r"""
 #ifdef __AVX512F__
 #include <immintrin.h>
