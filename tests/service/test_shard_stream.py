@@ -120,11 +120,11 @@ def test_an_engine_failure_hands_every_held_shard_back(any_db, settings_env, tmp
     calls = {"n": 0}
     execute = engine.runner.execute
 
-    def failing_execute(items):  # noqa: ANN001, ANN202
+    def failing_execute(items, **options):  # noqa: ANN001, ANN003, ANN202
         calls["n"] += 1
         if calls["n"] == 12:
             raise RuntimeError("device lost")
-        return execute(items)
+        return execute(items, **options)
 
     monkeypatch.setattr(engine.runner, "execute", failing_execute)
     released = []
