@@ -32,7 +32,9 @@ def batch_lines(n_ok: int) -> list[dict]:
 
 @pytest.fixture
 def pipeline(pg_url, s3_server, tmp_path):
-    with production_pipeline(pg_url, s3_server, tmp_path, REDIS_DB, "e2e", engine_stall_seconds=1) as running:
+    # a watch shorter than any model load (0.6 s with warm caches on a 2-core Zen 5; a one-second
+    # watch saw only the imports before it there), so the load's stack is in the log on any machine
+    with production_pipeline(pg_url, s3_server, tmp_path, REDIS_DB, "e2e", engine_stall_seconds=0.1) as running:
         yield running
 
 
