@@ -68,14 +68,19 @@ def test_fused_layers_follow_float32_as_closely_as_the_torch_layers(bf16_model, 
     torch_layers = schedule(runner, None, prompts, forced)
     reference = schedule(ModelRunner(fp32_model, num_kv_blocks=40, block_size=16), None, prompts, forced)
     assert kl(fused, reference) <= 1.25 * kl(torch_layers, reference), (kl(fused, reference), kl(torch_layers, reference))
-    # the float32 top-1 wherever float32 leads by more than 0.25 (two bfloat16 steps at these logits,
+    # the float32 top-1 wherever float32 leads by more than 0.5 (four bfloat16 steps at these logits,
     # ~15-30: both bf16 forms round the LM head's output to bfloat16, so a smaller lead can become an
-    # exact tie, broken by index). On a 2-core AMX Xeon the fused form's top-1 differed on 5 of 53
-    # random-token rows, each an exact tie in its bfloat16 logits at a float32 lead of 0.05-0.10 (the
-    # torch layers' on 1, also a tie), which the rule before (a top-1 share within 5 points of the
-    # torch layers') did not allow
+    # exact tie, broken by index; and where the CPU has AVX-512 BF16 the attention multiplies in
+    # bfloat16 as HF's bfloat16 attention does, cpu_paged_attention.bf16_products). On a 2-core AMX
+    # Xeon the fused form's top-1 differed on 5 of 53 random-token rows, each an exact tie in its
+    # bfloat16 logits at a float32 lead of 0.05-0.10 (the torch layers' on 1, also a tie), which the
+    # rule before (a top-1 share within 5 points of the torch layers') did not allow. On a 2-core AMD
+    # EPYC Zen 4 the largest loss of float32's lead on these rows was 0.10 (fused) / 0.23 (torch
+    # layers) with float32 attention products, 0.30 / 0.43 with bfloat16 ones (KL 1.45e-3 / 1.51e-3
+    # -> 1.73e-3 / 1.72e-3; on real prompts, `bench.quality --maths bf16`, the KL moved 6.68e-4 ->
+    # 6.50e-4, HF bfloat16's 1.17e-3)
     top2 = reference.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 0.25
+    clear = (top2[:, 0] - top2[:, 1]) > 0.5
     assert clear.sum() >= 20, clear.sum()
     for name, x in (("fused", fused), ("torch", torch_layers)):
         assert torch.equal(x.argmax(-1)[clear], reference.argmax(-1)[clear]), name

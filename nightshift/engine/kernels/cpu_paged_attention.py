@@ -23,8 +23,18 @@ sends it every row of a step, decode rows and prefill chunks alike.
 
 At 256 rows of ~300 positions the kernel is bound by reading the rows' own K/V from memory (the
 shared prefix stays in cache; merely reading the blocks of that call takes 0.67 ms): a pool of
-bfloat16 K/V (what the fused bf16 layers use, models/fused_cpu_layer.py) halves that; the
-arithmetic stays float32 either way.
+bfloat16 K/V (what the fused bf16 layers use, models/fused_cpu_layer.py) halves that. Over a
+float32 pool the arithmetic is float32. Over a bfloat16 pool on a CPU with AVX-512 BF16 (head dims
+a multiple of 32) the products are bfloat16 dot products (`vdpbf16ps`, 32 multiply-adds an
+instruction, the K/V read as stored), the scaled query and the probabilities rounded to bfloat16
+as attention in bfloat16 does, the sums float32 (DOT_BF16 in the source; `bf16_products()` says
+which build a shape got). On a 2-core AMD EPYC Zen 4, whose 512-bit FMAs run as two 256-bit halves
+and where the float32 form was bound by its arithmetic, ad hoc: that 256-row call 1.43-1.50 ->
+1.02-1.09 ms with every block in cache, 1.62-1.80 -> 1.40-1.52 ms with each layer's pool in
+memory; `bench.engine --skip-hf --breakdown`, three pairs alternating: the run's attention 8.20 /
+7.97 / 9.13 -> 6.84 / 7.17 / 7.96 s, output tok/s 791.9 / 807.6 / 747.6 -> 831.6 / 808.5 / 755.8.
+`bench.quality --maths bf16` there: top-1 0.9761, mean KL 6.50e-04, greedy equal 46.9% (HF
+bfloat16 0.9736 / 1.17e-03 / 39.1%).
 
 Built on first use per (query heads per KV head, head dim, pool dtype) with the system C compiler
 (`cc -O3 -march=native -fopenmp`, the first two as constants so the inner loops unroll) through
@@ -71,7 +81,8 @@ SOURCE = r"""
 """ + EXP16_AVX512 + r"""
 /* GQ (query heads per KV head) and HD (head dim) are compile-time constants (-D), so the
    loops over them unroll and one (row, KV head)'s accumulators stay in registers. KV_BF16: the
-   pool holds bfloat16 K/V (widened to float32 as they are read; the arithmetic is float32). */
+   pool holds bfloat16 K/V (widened to float32 as they are read, the arithmetic float32, except where
+   DOT_BF16 below multiplies them in bfloat16). */
 #ifdef KV_BF16
 typedef uint16_t kv_t;
 static inline float kv_f32(kv_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
@@ -83,6 +94,17 @@ static inline float kv_f32(kv_t x) { return x; }
 #if defined(__AVX512F__) && HD % 16 == 0 && !defined(PORTABLE)
 #define VEC 1
 #define NV (HD / 16)
+#if defined(KV_BF16) && defined(__AVX512BF16__) && HD % 32 == 0
+/* bfloat16 dot products (vdpbf16ps: 32 multiply-adds into 16 float32 sums, the pool's K/V read as
+   they are, no widening), the query and the probabilities rounded to bfloat16 first, as attention
+   in bfloat16 (HF's own) does; the sums float32. Half the multiply instructions of the float32
+   form and none of its widening: on a 2-core AMD EPYC Zen 4, whose 512-bit FMAs run as two 256-bit
+   halves, the float32 form was bound by its arithmetic (README "CPU attention"). Each position's
+   value pass takes two positions at once: their V vectors interleaved by 16-bit lanes
+   (unpacklo/hi), so the accumulators hold a head's dims in the order ACC_AT gives. */
+#define DOT_BF16 1
+#define ACC_AT(d) (((d) & ~31) + (((d) >> 2) & 1) * 16 + (((d) & 31) >> 3) * 4 + ((d) & 3))
+#endif
 #ifdef KV_BF16
 #define LOAD_KV(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #else
@@ -161,6 +183,10 @@ static inline __attribute__((always_inline)) void scores_block(const int gc, int
         else scores4(gc, 3, q, kb + j0 * row, row, s + j0, stride);
     }
 }
+#endif
+
+#ifndef ACC_AT
+#define ACC_AT(d) (d)        /* where dim d of a head's output accumulates */
 #endif
 
 /* The rows' own K/V blocks are scattered through a pool of gigabytes, so a decode call is bound by
@@ -281,6 +307,9 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
     {
         float *scores = (float *)malloc(sizeof(float) * H * stride);
         float *qs = (float *)malloc(sizeof(float) * H * HD), *acc = (float *)malloc(sizeof(float) * H * HD);
+#ifdef DOT_BF16        /* the query and the probabilities as bfloat16 */
+        uint16_t *qb = (uint16_t *)malloc(sizeof(uint16_t) * H * HD), *pb = (uint16_t *)malloc(sizeof(uint16_t) * H * stride);
+#endif
         const int64_t T = omp_get_num_threads(), block_bytes = bs * row * sizeof(kv_t);
         struct ahead next;
         #pragma omp for schedule(static, 1)
@@ -292,6 +321,11 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
             const int64_t first = window > 0 && L > window ? L - window : start, b0 = first / bs;
             const int32_t *tab = tables + i * tw;
             for (int64_t d = 0; d < H * HD; d++) { qs[d] = q[i * H * HD + d] * scale; acc[d] = 0.f; }
+#ifdef DOT_BF16
+            for (int64_t d = 0; d < H * HD; d += 32)      /* round to nearest even, in order */
+                _mm512_storeu_si512((void *)(qb + d), (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(qs + d + 16),
+                                                                               _mm512_loadu_ps(qs + d)));
+#endif
             for (int64_t b = b0; b < nb; b++) {
                 const int64_t t0 = b * bs, cnt = L - t0 < bs ? L - t0 : bs;
                 /* the next row's blocks on their way while this one computes (struct ahead) */
@@ -309,6 +343,24 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
                            sixteen positions at a time, so the same bits as before) */
                         __m512 quarter[GQ][4];
                         for (int jq = 0; jq < 16; jq += 4) {
+#ifdef DOT_BF16
+                            __m512i kv[4][HD / 32];
+                            for (int p = 0; p < 4; p++) {
+                                const kv_t *kp = kb + (j0 + jq + p) * row;
+                                for (int v = 0; v < HD / 32; v++)
+                                    kv[p][v] = jq + p < c ? _mm512_loadu_si512((const void *)(kp + 32 * v)) : _mm512_setzero_si512();
+                            }
+                            for (int g = 0; g < GQ; g++) {
+                                const uint16_t *qg = qb + (h * GQ + g) * HD;
+                                __m512 d[4];
+                                for (int p = 0; p < 4; p++) d[p] = _mm512_setzero_ps();
+                                for (int v = 0; v < HD / 32; v++) {
+                                    const __m512bh qv = (__m512bh)_mm512_loadu_si512((const void *)(qg + 32 * v));
+                                    for (int p = 0; p < 4; p++) d[p] = _mm512_dpbf16_ps(d[p], qv, (__m512bh)kv[p][v]);
+                                }
+                                quarter[g][jq / 4] = fold4(d[0], d[1], d[2], d[3]);
+                            }
+#else
                             __m512 kv[4][NV];
                             for (int p = 0; p < 4; p++) {
                                 const kv_t *kp = kb + (j0 + jq + p) * row;
@@ -325,6 +377,7 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
                                 }
                                 quarter[g][jq / 4] = fold4(d[0], d[1], d[2], d[3]);
                             }
+#endif
                         }
                         for (int g = 0; g < GQ; g++)
                             _mm512_storeu_ps(scores + (h * GQ + g) * stride + t0 + j0, sum16_last(quarter[g]));
@@ -368,6 +421,9 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
                 for (int64_t t = v0; t < padded; t += 16) {
                     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), _mm512_set1_ps(mg)));
                     _mm512_storeu_ps(sg + t, e);
+#ifdef DOT_BF16
+                    _mm256_storeu_si256((__m256i *)(pb + hg * stride + t), (__m256i)_mm512_cvtneps_pbh(e));
+#endif
                     tv = _mm512_add_ps(tv, e);
                 }
                 total = _mm512_reduce_add_ps(tv);
@@ -379,7 +435,7 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
                     const float w = expf(pre_lse[i * H + hg] - mg);
                     const float *po = pre_out + (i * H + hg) * HD;
                     total += w;
-                    for (int d = 0; d < HD; d++) acc[hg * HD + d] = w * po[d];
+                    for (int d = 0; d < HD; d++) acc[hg * HD + ACC_AT(d)] = w * po[d];
                 }
                 l[hg] = total;
             }
@@ -391,6 +447,26 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
                     __m512 av[GQ][NV];
                     for (int g = 0; g < GQ; g++)
                         for (int v = 0; v < NV; v++) av[g][v] = _mm512_loadu_ps(acc + (h * GQ + g) * HD + 16 * v);
+#ifdef DOT_BF16
+                    for (int64_t j = 0; j < cnt; j += 2) {      /* positions j and j + 1 at once */
+                        ahead_step(&next, (const char *)k_cache, (const char *)v_cache, block_bytes, 2 * PV_LINES);
+                        const kv_t *vp = vb + j * row;
+                        const int two = j + 1 < cnt;
+                        __m512i vv[NV];
+                        for (int v = 0; v < NV; v += 2) {
+                            const __m512i a = _mm512_loadu_si512((const void *)(vp + 16 * v));
+                            const __m512i b = two ? _mm512_loadu_si512((const void *)(vp + row + 16 * v)) : _mm512_setzero_si512();
+                            vv[v] = _mm512_unpacklo_epi16(a, b);
+                            vv[v + 1] = _mm512_unpackhi_epi16(a, b);
+                        }
+                        for (int g = 0; g < GQ; g++) {
+                            const uint16_t *pg = pb + (h * GQ + g) * stride + t0 + j;
+                            const uint32_t pair = (uint32_t)pg[0] | (two ? (uint32_t)pg[1] << 16 : 0u);
+                            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
+                            for (int v = 0; v < NV; v++) av[g][v] = _mm512_dpbf16_ps(av[g][v], p, (__m512bh)vv[v]);
+                        }
+                    }
+#else
                     for (int64_t j = 0; j < cnt; j++) {
                         ahead_step(&next, (const char *)k_cache, (const char *)v_cache, block_bytes, PV_LINES);
                         const kv_t *vp = vb + j * row;
@@ -401,6 +477,7 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
                             for (int v = 0; v < NV; v++) av[g][v] = _mm512_fmadd_ps(p, vv[v], av[g][v]);
                         }
                     }
+#endif
                     for (int g = 0; g < GQ; g++)
                         for (int v = 0; v < NV; v++) _mm512_storeu_ps(acc + (h * GQ + g) * HD + 16 * v, av[g][v]);
 #elif defined(VEC2)
@@ -423,11 +500,22 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
             for (int64_t hg = 0; hg < H; hg++) {
                 const float inv = 1.f / l[hg];
                 float *o = out + (i * H + hg) * HD;
-                for (int d = 0; d < HD; d++) o[d] = acc[hg * HD + d] * inv;
+                for (int d = 0; d < HD; d++) o[d] = acc[hg * HD + ACC_AT(d)] * inv;
             }
         }
         free(scores); free(qs); free(acc);
+#ifdef DOT_BF16
+        free(qb); free(pb);
+#endif
     }
+}
+
+int bf16_products(void) {     /* whether this build multiplies in bfloat16 (DOT_BF16) */
+#ifdef DOT_BF16
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 void paged_attention_f32(const float *q, const kv_t *k_cache, const kv_t *v_cache,
@@ -500,12 +588,23 @@ def load(group: int = 3, head_dim: int = 64, portable: bool = False,
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
                 [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_float]
+            lib.bf16_products.restype = ctypes.c_int
+            lib.bf16_products.argtypes = []
             fn = lib.paged_attention_after_prefix
             fn.restype = None
             fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
                 [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         _libs[shape] = lib
         return lib
+
+
+def bf16_products(group: int = 3, head_dim: int = 64, portable: bool = False,
+                  kv_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the kernel for this shape multiplies in bfloat16 (vdpbf16ps, the query and the
+    probabilities rounded to bfloat16; the kernel source's DOT_BF16): over a bfloat16 pool on a CPU
+    with AVX-512 BF16, head dims a multiple of 32. False where the kernel does not build."""
+    lib = load(group, head_dim, portable, kv_dtype)
+    return lib is not None and bool(lib.bf16_products())
 
 
 def supports(dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
