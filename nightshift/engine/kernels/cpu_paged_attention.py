@@ -99,8 +99,8 @@ static inline float kv_f32(kv_t x) { return x; }
    they are, no widening), the query and the probabilities rounded to bfloat16 first, as attention
    in bfloat16 (HF's own) does; the sums float32. Half the multiply instructions of the float32
    form and none of its widening: on a 2-core AMD EPYC Zen 4, whose 512-bit FMAs run as two 256-bit
-   halves, the float32 form was bound by its arithmetic (README "CPU attention"). Each position's
-   value pass takes two positions at once: their V vectors interleaved by 16-bit lanes
+   halves, the float32 form was bound by its arithmetic (kernels/README.md, Zen 4). The value
+   pass takes two positions at once: their V vectors interleaved by 16-bit lanes
    (unpacklo/hi), so the accumulators hold a head's dims in the order ACC_AT gives. */
 #define DOT_BF16 1
 #define ACC_AT(d) (((d) & ~31) + (((d) >> 2) & 1) * 16 + (((d) & 31) >> 3) * 4 + ((d) & 3))
@@ -340,7 +340,8 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
                            once per four positions, and the four positions' dot products folded by
                            the first two stages of the transposing reduction at once (fold4, then
                            sum16_last: the same operations in the same order as one head and
-                           sixteen positions at a time, so the same bits as before) */
+                           sixteen positions at a time, so the same bits as before; with DOT_BF16
+                           the products are bfloat16 dot products of K as stored, nothing widened) */
                         __m512 quarter[GQ][4];
                         for (int jq = 0; jq < 16; jq += 4) {
 #ifdef DOT_BF16
