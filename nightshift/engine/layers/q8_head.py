@@ -24,7 +24,10 @@ every step size: quant/cpu_w4a8.py) sends every head call to ``linear_int8`` ins
 weights against the rows quantized to int8 per block of 32 as its layers' are, multiplied in
 integers (quant/cpu_w8a8.py: AVX-512 VNNI, or AVX2). At a 256-row decode step the head is nearly
 a quarter of that model's multiply-adds; on a 2-core Zen 4 EPYC (ad hoc, 256 rows, freed blocks kept by
-engine/cpu_allocator.py) it took 31-34 ms against 39-40 ms for the bf16 CPU math's head.
+engine/cpu_allocator.py) it took 31-34 ms against 39-40 ms for the bf16 CPU math's head, which
+then gave float32 logits; since it gives greedy steps its bfloat16 logits as they are, another Zen 4
+(2026-11-28, ad hoc) took 38.9-39.7 ms for this head against 33.7-34.9 for that one. One kernel for every step
+keeps a row's logits independent of its step's size, and a small step reads half the bytes.
 
 An AVX-512 C kernel (OpenMP over groups of 16 output rows, held interleaved so a vector's lanes are
 16 rows: no horizontal sums; each weight vector widened once for up to 8 of the step's rows), or
