@@ -115,7 +115,8 @@ class Engine:
     def compute(self) -> str:
         """How the model computes, for logs and benchmarks: device, dtype and, for a float32 CPU
         model, its CPU math (engine/layers/cpu_math.py) and why, and whether its layers run as
-        fused kernels (models/fused_cpu_layer.py) over a pool of narrower K/V, and whether a prefix
+        fused kernels (models/fused_cpu_layer.py) over a pool of narrower K/V, the LM head's form where
+        it was chosen (cpu_math.choose_head), and whether a prefix
         its rows share is attended on AMX tiles (kernels/cpu_prefix_attention.py)."""
         model = self.runner.model
         where = f"{model.embed_tokens.device.type} {str(model.dtype).removeprefix('torch.')}"
@@ -134,6 +135,8 @@ class Engine:
             layers += ", shared prefixes on AMX tiles"
         int4 = getattr(model, "cpu_int4", None)
         int4 = f", INT4 layers {int4.describe()}" if int4 is not None else ""
+        head = getattr(model, "cpu_head", None)       # a full-precision model's LM head (cpu_math.choose_head)
+        int4 += f", LM head {head.describe()}" if head is not None else ""
         return f"{where}, CPU math {choice.describe()}{int4}{layers}"
 
     # ---- validation -----------------------------------------------------------------

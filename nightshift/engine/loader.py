@@ -124,6 +124,8 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
     if quant_config is None:
         net = build_model(checkpoint, dtype=dtype, device=device, linear=DenseLinearFactory(math))
         net.cpu_math = choice
+        if getattr(net, "cpu_head", None) is not None:
+            log.info("CPU LM head: %s", net.cpu_head.describe())
         return net
 
     def calibrate():

@@ -146,17 +146,86 @@ TEXTS = ("The moon is Earth's only natural satellite. It orbits at an average di
          "workers gather nectar and pollen, build the comb, guard the entrance and care for the young.")
 
 
-@pytest.mark.parametrize("math", [m for m in supported_maths() if m.values[0] != "float32"])
-def test_the_real_model_on_each_path_follows_float32(math, fp32_model, default_model_path):
+def test_the_lm_head_is_q8_only_on_bf16_with_q8_0_blocks_and_where_it_measures_faster(monkeypatch, tmp_path):
+    from nightshift.engine.quant import cpu_w8a8
+
+    monkeypatch.setenv("NIGHTSHIFT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_math.HEAD_ENV, raising=False)
+    monkeypatch.setattr(cpu_w8a8, "available", lambda: True)
+    timed = []
+    fake = {"dense": 1.0, "q8": 0.6}
+
+    def time_head(shape, form):
+        timed.append(form)
+        return fake[form]
+    monkeypatch.setattr(cpu_math, "_time_head", time_head)
+    choice = cpu_math.choose_head("bf16", (512, 64), True)
+    assert choice.math == "q8" and choice.reason == "measured" and sorted(timed) == ["dense", "q8"]
+    assert choice.describe() == "q8 (measured: dense 1000.0 ms, q8 600.0 ms for the probe steps)"
+    assert cpu_math.choose_head("bf16", (512, 64), True) == choice and len(timed) == 2    # from the disk cache
+    fake["q8"] = 0.97                                                                      # not MARGIN faster
+    assert cpu_math.choose_head("bf16", (256, 64), True).math == "dense"
+    # the float32 path stays exact; a checkpoint without Q8_0 blocks of the head has nothing to read
+    assert cpu_math.choose_head("float32", (512, 64), True) == cpu_math.Choice("dense", "no Q8_0 head here")
+    assert cpu_math.choose_head("bf16", (512, 64), False) == cpu_math.Choice("dense", "no Q8_0 head here")
+    assert len(timed) == 4
+    monkeypatch.setenv(cpu_math.HEAD_ENV, "Q8")
+    assert cpu_math.choose_head("bf16", (512, 64), True) == cpu_math.Choice("q8", "forced")
+    assert cpu_math.choose_head("bf16", (512, 64), True, "dense") == cpu_math.Choice("dense", "forced")
+    with pytest.raises(RuntimeError, match="needs the bf16 CPU math \\(this model's is float32\\)"):
+        cpu_math.choose_head("float32", (512, 64), True)
+    with pytest.raises(RuntimeError, match="has_q8_blocks=False"):
+        cpu_math.choose_head("bf16", (512, 64), False)
+    monkeypatch.setenv(cpu_math.HEAD_ENV, "int4")
+    with pytest.raises(ValueError, match="NIGHTSHIFT_CPU_HEAD='int4': choose one of dense, q8, auto"):
+        cpu_math.choose_head("bf16", (512, 64), True)
+
+
+def test_the_lm_head_choice_measures_both_real_forms_on_this_machine(monkeypatch, tmp_path):
+    from nightshift.engine.quant import cpu_w8a8
+
+    if "bf16" not in cpu_math.supported() or not cpu_w8a8.available():
+        pytest.skip("no bf16 CPU math or W8A8 kernel here: the head is never q8")
+    monkeypatch.setenv("NIGHTSHIFT_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_math.HEAD_ENV, raising=False)
+    choice = cpu_math.choose_head("bf16", (4096, 576), True)
+    assert choice.reason == "measured" and set(choice.seconds) == {"dense", "q8"}
+    assert all(s > 0 for s in choice.seconds.values())
+    assert choice.math == ("q8" if choice.seconds["q8"] < (1 - cpu_math.MARGIN) * choice.seconds["dense"] else "dense")
+
+
+def real_model_paths():
+    """(math, LM head form) of every native path but float32's; bf16 with each head form."""
+    params = []
+    for p in supported_maths():
+        math = p.values[0]
+        if math == "bf16":
+            params += [pytest.param(math, "dense", marks=p.marks, id="bf16-dense-head"),
+                       pytest.param(math, "q8", marks=p.marks, id="bf16-q8-head")]
+        elif math != "float32":
+            params.append(pytest.param(math, None, marks=p.marks, id=math))
+    return params
+
+
+@pytest.mark.parametrize("math, head", real_model_paths())
+def test_the_real_model_on_each_path_follows_float32(math, head, fp32_model, default_model_path, monkeypatch):
     """Teacher-forced next-token choices of the default model on another path agree with the
-    float32 path's (bench.quality --maths measures the drift against HF float32 in full)."""
+    float32 path's (bench.quality --maths measures the drift against HF float32 in full); on bf16,
+    with the math's own LM head and with the GGUF's Q8_0 head against int8 activations."""
     from nightshift.engine.loader import load_model
     from nightshift.engine.model_runner import ModelRunner
+    from nightshift.engine.quant import cpu_w8a8
     from nightshift.engine.step import StepItem
     from nightshift.engine.tokenizer import load_tokenizer
 
+    if head == "q8" and not cpu_w8a8.available():
+        pytest.skip("no W8A8 kernel here")
+    if head is not None:
+        monkeypatch.setenv(cpu_math.HEAD_ENV, head)
     model = load_model(default_model_path, dtype=torch.float32, cpu_math=math)
     assert model.cpu_math == cpu_math.Choice(math, "forced")
+    assert model.cpu_head == (None if head is None else cpu_math.Choice(head, "forced"))
+    assert model.q8_head_int8 == (head == "q8") and (model.lm_head is None) == (head == "q8")
     tokenizer = load_tokenizer(default_model_path)
     texts = [tokenizer.encode(text) for text in TEXTS]
     prompts, forced = [t[:10] for t in texts], [t[10:34] for t in texts]
@@ -176,7 +245,7 @@ def test_the_real_model_on_each_path_follows_float32(math, fp32_model, default_m
     # a step of argmaxes only takes the logits as the head computes them: on bf16, its bfloat16
     # values, which the float32 logits are widened (LlamaForCausalLM.project_logits)
     narrow = runner.execute(items, float_logits=False)
-    assert narrow.dtype == (torch.bfloat16 if math == "bf16" else torch.float32)
+    assert narrow.dtype == (torch.bfloat16 if head == "dense" else torch.float32)
     assert torch.equal(narrow.float(), runner.execute(items))
     from nightshift.engine.engine import Engine
     engine = Engine.from_model(model, tokenizer, "m", max_num_seqs=2, num_kv_blocks=8)
@@ -186,4 +255,5 @@ def test_the_real_model_on_each_path_follows_float32(math, fp32_model, default_m
     if math == "bf16" and cpu_prefix_attention.supports(shape.num_heads, shape.num_kv_heads, shape.head_dim,
                                                         torch.bfloat16):
         fused += ", shared prefixes on AMX tiles"                        # an AMX CPU
-    assert engine.compute == f"cpu float32, CPU math {math} (forced){fused}"
+    head = f", LM head {head} (forced)" if head else ""
+    assert engine.compute == f"cpu float32, CPU math {math} (forced){head}{fused}"

@@ -77,3 +77,31 @@ def test_a_w4a8_models_every_head_call_is_q8_0_against_int8_activations(fp32_mod
         assert (got - expected[:rows]).abs().max().item() <= 1e-2 * expected[:rows].abs().max().item()
         assert torch.equal(got, head.linear_int8(hidden[:rows]))
     assert calls == [1, 1, 300, 300]
+
+
+@pytest.mark.skipif(not cpu_w8a8.available(), reason="needs an x86 CPU with AVX2 and a C compiler")
+def test_a_full_precision_model_on_bf16_with_the_q8_head_sends_every_call_to_it(fp32_model, monkeypatch):
+    """The bf16 CPU math's model with its LM head on the GGUF's Q8_0 blocks (cpu_math.choose_head,
+    here forced): every call, small and large, through the W8A8 kernel on int8 activations, each
+    row computed alone (a row's logits the same in any step), close to the exact head's."""
+    from nightshift.engine.layers import cpu_math
+    if "bf16" not in cpu_math.supported():
+        pytest.skip("no bf16 CPU math here")
+    monkeypatch.setenv(cpu_math.HEAD_ENV, "q8")
+    model = load_model("default", dtype=torch.float32, cpu_math="bf16")
+    head = model.q8_head
+    assert head is not None and model.q8_head_int8 and model.cpu_head == cpu_math.Choice("q8", "forced")
+    assert model.lm_head is None                 # no packed bf16 head kept beside it
+    calls = []
+    monkeypatch.setattr(head, "linear_int8", lambda x, real=head.linear_int8: calls.append(x.shape[0]) or real(x))
+    monkeypatch.setattr(head, "linear", lambda x: pytest.fail("the float-activation head ran"))
+    hidden = torch.randn(300, fp32_model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = F.linear(hidden, fp32_model.embed_tokens)
+    full = model.project_logits(hidden, float_logits=False)
+    assert full.dtype == torch.float32 and (full - expected).abs().max().item() <= 1e-2 * expected.abs().max().item()
+    for rows in (slice(0, 1), slice(7, 8), slice(3, 20), slice(0, 256)):
+        assert torch.equal(model.project_logits(hidden[rows]), full[rows])
+    assert calls == [300, 1, 1, 17, 256]
+    monkeypatch.setenv(cpu_math.HEAD_ENV, "dense")             # the math's own head otherwise
+    dense = load_model("default", dtype=torch.float32, cpu_math="bf16")
+    assert dense.q8_head is None and dense.cpu_head == cpu_math.Choice("dense", "forced")

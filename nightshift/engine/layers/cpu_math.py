@@ -39,6 +39,14 @@ or ``w4a8`` (engine/quant/cpu_w4a8.py: the 4-bit weight against int8 activations
 the same reason as int8: on the quality prompts the default model on it drifts from HF float32 far more than HF's
 own bfloat16 does (``bench/quality.py --maths float32 --int4-kernels dense,w4a8``; its error is
 the int8 activations', most of it in the q/k/v projection).
+The LM head of a full-precision model on the bf16 math has a choice of its own (``choose_head``):
+the math's head ("dense") or, where the checkpoint stores it as Q8_0 blocks (a GGUF's), those
+blocks against int8 activations ("q8": layers/q8_head.py, quant/cpu_w8a8.py; the GGUF's exact
+weights, the activations int8 per block of 32, each row alone), on every call alike.
+``NIGHTSHIFT_CPU_HEAD=dense|q8|auto`` (auto: measured on the head's shape at PROBE_ROWS and cached
+like ``choose``'s; q8 where at least MARGIN faster). Unlike int8 and w4a8 above, q8 passes the
+quality rule on the default model (layers/q8_head.py has the figures): its int8 rounding is
+confined to one projection whose weights it keeps exact.
 """
 from __future__ import annotations
 
@@ -62,6 +70,8 @@ AUTO_MATHS = ("float32", "bf16")
 ENV = "NIGHTSHIFT_CPU_MATH"
 INT4_KERNELS = ("dense", "w4a8")
 INT4_ENV = "NIGHTSHIFT_CPU_INT4"
+HEAD_FORMS = ("dense", "q8")
+HEAD_ENV = "NIGHTSHIFT_CPU_HEAD"
 MARGIN = 0.05
 PROBE_ROWS = (16, 256)        # a small decode step and a full one (the default max_num_seqs)
 
@@ -232,19 +242,19 @@ def choose(shapes: tuple[tuple[int, int], ...], requested_math: Optional[str] = 
     candidates = tuple(m for m in AUTO_MATHS if m in supported())
     if candidates == ("float32",):
         return Choice("float32", "only float32")
-    seconds = _measured(tuple(shapes), candidates)
+    shapes = tuple(shapes)
+    seconds = _measured("cpu_math", [shapes, PROBE_ROWS], candidates, lambda math: _time_math(shapes, math))
     best = min(candidates, key=seconds.__getitem__)
     if best != "float32" and seconds[best] > seconds["float32"] * (1 - MARGIN):
         best = "float32"
     return Choice(best, "measured", seconds)
 
 
-def _measured(shapes: tuple[tuple[int, int], ...], candidates: tuple[str, ...]) -> dict:
-    """Seconds of each candidate for one step of every shape at each of PROBE_ROWS, from the
-    disk cache when this machine measured them before."""
-    key = json.dumps([torch.__version__, sorted(cpu_flags()), torch.get_num_threads(), shapes, PROBE_ROWS,
-                      candidates])
-    path = cache_dir() / f"cpu_math-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+def _measured(kind: str, key_parts: list, candidates: tuple[str, ...], time_one) -> dict:  # noqa: ANN001
+    """``time_one(candidate)`` seconds of each candidate, from the disk cache when this machine
+    (CPU flags, torch version, threads) measured them before for the same `kind` and `key_parts`."""
+    key = json.dumps([torch.__version__, sorted(cpu_flags()), torch.get_num_threads(), *key_parts, candidates])
+    path = cache_dir() / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     # one process measures, the others of the machine wait for its answer: all choose alike
     with open(path.with_suffix(".lock"), "w") as lock:
@@ -253,7 +263,7 @@ def _measured(shapes: tuple[tuple[int, int], ...], candidates: tuple[str, ...]) 
             return json.loads(path.read_text())
         except (OSError, ValueError):
             pass
-        seconds = {math: _time_math(shapes, math) for math in candidates}
+        seconds = {candidate: time_one(candidate) for candidate in candidates}
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(seconds))
         os.replace(tmp, path)
@@ -286,3 +296,57 @@ def choose_int4(requested_kernel: Optional[str] = None) -> Choice:
     if kernel == "auto":
         return Choice("dense", "default; w4a8 only when asked for")
     return Choice(kernel, "forced")
+
+
+def choose_head(math: str, shape: tuple[int, int], has_q8_blocks: bool,
+                requested_form: Optional[str] = None) -> Choice:
+    """How the LM head (`shape` ``[vocab, hidden]``) of a full-precision float32 CPU model on `math`
+    multiplies: "dense" (the math's own head: on bf16, bfloat16 weights and activations) or "q8"
+    (layers/q8_head.py: the checkpoint's own Q8_0 blocks of it, the GGUF's exact values, against the
+    rows quantized to int8 per block of 32; quant/cpu_w8a8.py), on every call alike, so a row's
+    logits never depend on its step. "q8" only on the bf16 math, whose head already rounds (the
+    float32 path stays exact), and only where the checkpoint stores the head as Q8_0 and the W8A8
+    kernel runs: `requested_form` or NIGHTSHIFT_CPU_HEAD when not "auto"; "auto" (the default)
+    times both on the head's shape at PROBE_ROWS (kept on disk like ``choose``'s) and keeps "q8"
+    only where it is at least MARGIN faster."""
+    from nightshift.engine.quant import cpu_w8a8     # quant imports this module: import on use
+
+    form = (requested_form or os.environ.get(HEAD_ENV, "auto")).strip().lower() or "auto"
+    if form not in (*HEAD_FORMS, "auto"):
+        raise ValueError(f"{HEAD_ENV}={form!r}: choose one of {', '.join((*HEAD_FORMS, 'auto'))}")
+    possible = math == "bf16" and has_q8_blocks and cpu_w8a8.available()
+    if form == "q8" and not possible:
+        raise RuntimeError(f"{HEAD_ENV}=q8: the Q8_0 head needs the bf16 CPU math (this model's is {math}), "
+                           "a checkpoint that stores the LM head as Q8_0 blocks (a GGUF's) and the W8A8 kernel "
+                           f"(an x86 CPU with AVX2 and a C compiler): here {has_q8_blocks=}, "
+                           f"kernel available={cpu_w8a8.available()}")
+    if form != "auto":
+        return Choice(form, "forced")
+    if not possible:
+        return Choice("dense", "no Q8_0 head here")
+    seconds = _measured("cpu_head", [list(shape), PROBE_ROWS, math], HEAD_FORMS, lambda f: _time_head(shape, f))
+    best = "q8" if seconds["q8"] < seconds["dense"] * (1 - MARGIN) else "dense"
+    return Choice(best, "measured", seconds)
+
+
+def _time_head(shape: tuple[int, int], form: str, repeats: int = 3) -> float:
+    """Seconds of the head's calls at PROBE_ROWS in `form`, on random weights of its shape, with the
+    engine's allocator settings (a step's float32 logits would otherwise page-fault on every call)."""
+    from nightshift.engine.cpu_allocator import keep_large_allocations
+    from nightshift.engine.quant import cpu_w8a8
+
+    keep_large_allocations()
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(0)
+    if form == "q8":
+        values = torch.randint(-127, 128, (out_features, in_features), generator=generator, dtype=torch.int8)
+        head = cpu_w8a8.W8A8Weight(values, torch.rand(out_features, in_features // 32, generator=generator) / 64)
+        call = head.linear
+    else:
+        call = Bf16Weight(torch.randn(out_features, in_features, generator=generator)).linear_bf16
+    total = 0.0
+    for rows in PROBE_ROWS:
+        x = torch.randn(rows, in_features, generator=generator)
+        x = x if form == "q8" else x.to(torch.bfloat16)
+        total += cpu_gemm.best_seconds(lambda: call(x), repeats)
+    return total

@@ -1,5 +1,6 @@
-"""The LM head of an INT4 model from a GGUF's own Q8_0 blocks, on the CPU: its small calls (half the
-bytes of bf16), and every call where its layers run on int8 activations.
+"""The LM head from a GGUF's own Q8_0 blocks, on the CPU: an INT4 model's small calls (half the
+bytes of bf16), and every call of a model whose layers run on int8 activations or whose bf16 CPU
+math measured this head faster.
 
 A decode step of one to a few sequences is bound by reading weights, and the LM head is the
 largest of them (SmolLM2's tied 49,152 x 576 embedding: 57 MB in bfloat16, 113 MB in float32, read
@@ -15,19 +16,25 @@ that need logits: every row of a small decode step, the last of each prompt a pr
 ``LinearFactory.small_step_rows``, with the INT4 layers on the dense kernel: quant/int4_linear.py).
 That model's layers already run another kernel for small steps than for larger ones, so a row's
 logits already depend on the size of the step it falls in, and the head adds no dependence of a
-new kind. A full-precision model (whose rows' results must not depend on the rows beside them:
-engine/layers/cpu_math.py) keeps the dense head for every call. Within a call every row is computed
-alone, the same operations whatever rows share it.
+new kind. Within a call every row is computed alone, the same operations whatever rows share it.
 
-An INT4 model whose layers run the W4A8 kernel (int8 activations on every step, one kernel for
-every step size: quant/cpu_w4a8.py) sends every head call to ``linear_int8`` instead: the same Q8_0
-weights against the rows quantized to int8 per block of 32 as its layers' are, multiplied in
-integers (quant/cpu_w8a8.py: AVX-512 VNNI, or AVX2). At a 256-row decode step the head is nearly
-a quarter of that model's multiply-adds; on a 2-core Zen 4 EPYC (ad hoc, 256 rows, freed blocks kept by
-engine/cpu_allocator.py) it took 31-34 ms against 39-40 ms for the bf16 CPU math's head, which
-then gave float32 logits; since it gives greedy steps its bfloat16 logits as they are, another Zen 4
-(2026-11-28, ad hoc) took 38.9-39.7 ms for this head against 33.7-34.9 for that one. One kernel for every step
-keeps a row's logits independent of its step's size, and a small step reads half the bytes.
+``linear_int8`` takes every head call, small and large, of two kinds of model: the same Q8_0
+weights against the rows quantized to int8 per block of 32 (quant/cpu_w8a8.py: AVX-512 VNNI, or
+AVX2), each row alone, one kernel for every step, so a row's logits never depend on its step.
+(1) An INT4 model whose layers run the W4A8 kernel (int8 activations on every step:
+quant/cpu_w4a8.py). (2) A full-precision model on the bf16 CPU math where
+``cpu_math.choose_head`` measured it faster than the math's own head (or NIGHTSHIFT_CPU_HEAD=q8):
+that head rounds weights and activations to bfloat16, this one keeps the GGUF's exact weights and
+rounds the activations to int8 per block of 32; `bench.quality --maths bf16` on a 2-core Zen 4
+(2026-11-28): top-1 0.9878, mean KL 7.26e-04, greedy equal 57.8% against the bf16 head's 0.9761 /
+6.50e-04 / 46.9% (HF bfloat16: 0.9736 / 1.17e-03 / 39.1%), so it stays within the quality rule. At
+a 256-row decode step the head is a fifth (the default model) to a quarter (W4A8) of the
+multiply-adds; on that Zen 4, ad hoc, with the engine's allocator settings (engine/cpu_allocator.py:
+without them each call's fresh 50 MB of float32 logits page-faults, 39-40 ms), 24.3-24.6 ms against
+33.6-34.5 ms for the bf16 head (its bfloat16 logits), 22.4-22.5 ms since the kernel holds each
+weight vector in a register for its four rows; in `bench.engine --skip-hf` runs the head calls took
+3.20-3.23 s against 4.70-4.77 s. (On another Zen 4, 2026-11-27, 31-34 ms against 39-40 ms for the
+bf16 head, which then gave float32 logits.)
 
 An AVX-512 C kernel (OpenMP over groups of 16 output rows, held interleaved so a vector's lanes are
 16 rows: no horizontal sums; each weight vector widened once for up to 8 of the step's rows), or

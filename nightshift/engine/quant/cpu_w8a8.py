@@ -24,10 +24,14 @@ Packed layout (``W8A8Weight.packed``): for each 16 outputs and each block of 32 
 (the four bytes one int32 lane of ``vpdpbusd`` sums; AVX2 reads each vector as two halves of 8
 outputs). Scales float32 ``[N/16, K/32, 16]``, the accumulators' starts int32 the same shape.
 
-Who uses it: the LM head of an INT4 model whose layers run the W4A8 kernel, where the checkpoint
-stores the head as Q8_0 (engine/layers/q8_head.py): every step of such a model already quantizes
-its activations to int8, and at a 256-row decode step the head is a third of the model's
-multiply-adds.
+Who uses it: the LM head where the checkpoint stores it as Q8_0 (engine/layers/q8_head.py), on
+every call, of an INT4 model whose layers run the W4A8 kernel (every step of such a model already
+quantizes its activations to int8; at a 256-row decode step the head is a third of the model's
+multiply-adds), and of a full-precision model on the bf16 CPU math where it measured faster than
+that math's head (layers/cpu_math.py ``choose_head``). The tile's two weight vectors are held in
+registers for its four rows (GCC otherwise folds each into every row's ``vpdpbusd`` as a memory
+operand: on a 2-core Zen 4, a 256-row call of the default model's head 24.3-24.6 -> 22.4-22.5 ms,
+ad hoc; the same bits).
 """
 from __future__ import annotations
 
@@ -66,8 +70,9 @@ void w8a8_gemm(const int8_t *xq, const float *dx, int64_t M, int64_t Mp, int64_t
                 for (int r = 0; r < 4; r++) { d[r][0] = c0; d[r][1] = c1; }
                 const int8_t *xb = xq + m0 * K + b * 32;
                 for (int j = 0; j < 8; j++) {
-                    const __m512i q0 = _mm512_loadu_si512((const void *)(w0 + b * 512 + j * 64));
-                    const __m512i q1 = _mm512_loadu_si512((const void *)(w1 + b * 512 + j * 64));
+                    __m512i q0 = _mm512_loadu_si512((const void *)(w0 + b * 512 + j * 64));
+                    __m512i q1 = _mm512_loadu_si512((const void *)(w1 + b * 512 + j * 64));
+                    __asm__("" : "+v"(q0), "+v"(q1));     /* in registers, not reloaded as each row's operand */
                     for (int r = 0; r < 4; r++) {
                         uint32_t xw;
                         memcpy(&xw, xb + r * K + 4 * j, 4);
