@@ -184,9 +184,10 @@ def evaluate(model: str = "default", num_prompts: int = 64, new_tokens: int = 32
     tokenizer = load_tokenizer(model, cache_dir=cache_dir)
     prompts = [tokenizer.apply_chat_template(m) for m in quality_prompts(num_prompts)]
     start = time.perf_counter()
-    fp_model = _load(model, None, cache_dir)
     # the reference and every INT4 model run the torch layers (not the fused bf16 CPU layers and
-    # their bfloat16 K/V pool), so that only the weights differ between them
+    # their bfloat16 K/V pool) and the same LM head (the math's own: an INT4 model's larger steps'
+    # head), so that only the weights differ between them
+    fp_model = load_model(model, dtype=torch.float32, cache_dir=cache_dir, cpu_head="dense")
     fp_model.fused_layers = None
     fp_tokens, fp_logprobs = _Stepper(fp_model, prompts, new_tokens).run(new_tokens)
     log(f"fp: {len(prompts)} prompts x {new_tokens} tokens in {time.perf_counter() - start:.1f}s")

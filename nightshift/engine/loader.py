@@ -103,14 +103,17 @@ def load_checkpoint(model: str = "default", cache_dir: Optional[str] = None) -> 
 
 def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, device: str = "cpu",
                quant_config: Optional[QuantConfig] = None, cache_dir: Optional[str] = None,
-               cpu_math: Optional[str] = None, cpu_int4: Optional[str] = None) -> LlamaForCausalLM:
+               cpu_math: Optional[str] = None, cpu_int4: Optional[str] = None,
+               cpu_head: Optional[str] = None) -> LlamaForCausalLM:
     """Our LlamaForCausalLM for `model` ("default", a GGUF path or a HF dir); float32 unless `dtype`.
 
     A float32 model on CPU multiplies through the CPU math of engine/layers/cpu_math.py:
     `cpu_math` (float32, bf16, int8, auto) or, when None, NIGHTSHIFT_CPU_MATH (default auto:
     measured on this model's shapes). The choice is logged and kept as `model.cpu_math` (None
     for other models); its INT4 layers' CPU kernel as `model.cpu_int4`: `cpu_int4` (dense, w4a8,
-    auto) or, when None, NIGHTSHIFT_CPU_INT4 (default auto: dense; ``cpu_math.choose_int4``).
+    auto) or, when None, NIGHTSHIFT_CPU_INT4 (default auto: dense; ``cpu_math.choose_int4``); a
+    full-precision model's LM head on the bf16 math as `model.cpu_head`: `cpu_head` (dense, q8, auto)
+    or, when None, NIGHTSHIFT_CPU_HEAD (``cpu_math.choose_head``).
 
     With a quant_config the projections it quantizes are INT4, built by an Int4LinearFactory over
     the quantized-weight cache of this source and config (engine/quant/cache.py): layers found
@@ -122,7 +125,7 @@ def load_model(model: str = "default", dtype: Optional[torch.dtype] = None, devi
     choice = choose_cpu_math(checkpoint.config, dtype, device, cpu_math)
     math = choice.math if choice else "float32"      # the math of float32 CPU layers, if any
     if quant_config is None:
-        net = build_model(checkpoint, dtype=dtype, device=device, linear=DenseLinearFactory(math))
+        net = build_model(checkpoint, dtype=dtype, device=device, linear=DenseLinearFactory(math, cpu_head))
         net.cpu_math = choice
         if getattr(net, "cpu_head", None) is not None:
             log.info("CPU LM head: %s", net.cpu_head.describe())

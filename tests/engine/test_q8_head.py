@@ -102,6 +102,5 @@ def test_a_full_precision_model_on_bf16_with_the_q8_head_sends_every_call_to_it(
     for rows in (slice(0, 1), slice(7, 8), slice(3, 20), slice(0, 256)):
         assert torch.equal(model.project_logits(hidden[rows]), full[rows])
     assert calls == [300, 1, 1, 17, 256]
-    monkeypatch.setenv(cpu_math.HEAD_ENV, "dense")             # the math's own head otherwise
-    dense = load_model("default", dtype=torch.float32, cpu_math="bf16")
+    dense = load_model("default", dtype=torch.float32, cpu_math="bf16", cpu_head="dense")    # the argument wins
     assert dense.q8_head is None and dense.cpu_head == cpu_math.Choice("dense", "forced")

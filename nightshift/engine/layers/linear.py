@@ -121,8 +121,9 @@ class DenseLinearFactory:
     small_step_rows = 0
     int8_activations = False
 
-    def __init__(self, math: str = "float32"):
+    def __init__(self, math: str = "float32", head: Optional[str] = None):
         self.math = math
+        self.head = head        # the LM head's form on the CPU math, if asked for (cpu_math.choose_head)
 
     def __call__(self, source: WeightSource) -> DenseLinear:
         return DenseLinear(source.weight(), source.bias(), math=self.math)

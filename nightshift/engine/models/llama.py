@@ -270,7 +270,8 @@ class LlamaForCausalLM(nn.Module):
                 and linear.is_dense("lm_head")):
             blocks = checkpoint.gguf(f"{head}.weight")
             self.cpu_head = cpu_math.choose_head(linear.math, (config.vocab_size, config.hidden_size),
-                                                 blocks is not None and blocks.qtype == Q8_0)
+                                                 blocks is not None and blocks.qtype == Q8_0,
+                                                 getattr(linear, "head", None))
             self.q8_head_int8 = self.cpu_head.math == "q8"
         if device.type == "cpu" and (self.q8_head_rows > 0 or self.q8_head_int8) and linear.is_dense("lm_head"):
             self.q8_head = Q8Head.from_checkpoint(checkpoint.gguf, f"{head}.weight", self.q8_head_int8)
