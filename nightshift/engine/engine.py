@@ -136,8 +136,8 @@ class Engine:
         int4 = getattr(model, "cpu_int4", None)
         int4 = f", INT4 layers {int4.describe()}" if int4 is not None else ""
         head = getattr(model, "cpu_head", None)       # a full-precision model's LM head (cpu_math.choose_head)
-        int4 += f", LM head {head.describe()}" if head is not None else ""
-        return f"{where}, CPU math {choice.describe()}{int4}{layers}"
+        head = f", LM head {head.describe()}" if head is not None else ""
+        return f"{where}, CPU math {choice.describe()}{int4}{head}{layers}"
 
     # ---- validation -----------------------------------------------------------------
     def validate(self, request: GenerationRequest) -> None:
