@@ -11,7 +11,8 @@ from nightshift.engine.kernels import cpu_paged_attention
 
 # float32 ulps on either side of a midpoint between two bfloat16 values: an unnormalized probability
 # that close to one may round either way, as the kernel's float32 score sums and exponential differ
-# from float64 by a few parts in 1e6 (a rounding tie; measured: ~30 ulps at scores of ~10)
+# from float64 (a rounding tie; an estimate: float32 sums of 64 products at scores of ~10 are off by
+# ~1e-6, which moves a probability by ~1e-6 of itself, ~20-30 float32 ulps)
 BF16_TIE_ULPS = 64
 
 
