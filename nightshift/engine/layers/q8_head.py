@@ -195,6 +195,13 @@ def _groups_of_16(t: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
 
 
+def stored_as_q8_0(gguf, name: str) -> bool:  # noqa: ANN001
+    """Whether the checkpoint (`gguf`: its GGUF block reader, None for other formats' tensors) holds
+    the matrix `name` as Q8_0 rows of whole blocks, the form this head reads."""
+    blocks = gguf(name)
+    return blocks is not None and blocks.qtype == Q8_0 and blocks.in_features % BLOCK == 0
+
+
 class Q8Head:
     """A Q8_0 matrix `[N, K]` from a GGUF's blocks: ``linear(x)`` = ``x @ W.T`` against float
     activations (this module's kernel), ``linear_int8(x)`` the same against int8 activations
@@ -217,12 +224,11 @@ class Q8Head:
     def from_checkpoint(cls, gguf, name: str, int8_activations: bool = False) -> Optional["Q8Head"]:
         """The Q8_0 form of the checkpoint's matrix `name`, where it is stored so and the kernel it
         will run (``linear_int8``'s where `int8_activations`, else ``linear``'s) builds."""
-        blocks = gguf(name)
-        if blocks is None or blocks.qtype != Q8_0 or blocks.in_features % BLOCK:
+        if not stored_as_q8_0(gguf, name):
             return None
         if not (cpu_w8a8.available() if int8_activations else load() is not None):
             return None
-        return cls(blocks, int8_activations)
+        return cls(gguf(name), int8_activations)
 
     def _values_and_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(int8 values `[N, K]`, float32 scales `[N, K/32]`) read from the blocks."""

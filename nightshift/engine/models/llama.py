@@ -23,7 +23,7 @@ from nightshift.engine.attention.base import AttentionBackend, StepMetadata
 from nightshift.engine.kv_cache import KVCache
 from nightshift.engine.layers import cpu_math
 from nightshift.engine.layers.linear import DenseLinear, DenseLinearFactory, LinearFactory, WeightSource
-from nightshift.engine.layers.q8_head import Q8_0, Q8Head
+from nightshift.engine.layers.q8_head import Q8Head, stored_as_q8_0
 from nightshift.engine.models import fused_cpu_layer, fused_cpu_stack, fused_gpu_layer
 from nightshift.engine.model_config import ModelConfig, rope_scaling_type
 
@@ -268,9 +268,8 @@ class LlamaForCausalLM(nn.Module):
         self.cpu_head: Optional[cpu_math.Choice] = None
         if (device.type == "cpu" and linear.math == "bf16" and not self.q8_head_rows and not self.q8_head_int8
                 and linear.is_dense("lm_head")):
-            blocks = checkpoint.gguf(f"{head}.weight")
             self.cpu_head = cpu_math.choose_head(linear.math, (config.vocab_size, config.hidden_size),
-                                                 blocks is not None and blocks.qtype == Q8_0,
+                                                 stored_as_q8_0(checkpoint.gguf, f"{head}.weight"),
                                                  getattr(linear, "head", None))
             self.q8_head_int8 = self.cpu_head.math == "q8"
         if device.type == "cpu" and (self.q8_head_rows > 0 or self.q8_head_int8) and linear.is_dense("lm_head"):
