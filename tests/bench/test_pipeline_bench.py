@@ -22,3 +22,27 @@ def test_report_compares_the_best_runs_of_each_side():
 def test_one_run_is_reported_plainly():
     assert pipeline._runs([1.234]) == "1.23s"
     assert pipeline._runs([1.5, 1.25]) == "best 1.25s of 1.50, 1.25s"
+
+
+def test_engine_only_side_warms_up_on_the_whole_set_and_takes_a_saved_tokenizer(tmp_path, monkeypatch):
+    """The engine-only side runs every request once untimed before its timed runs (on a GPU a step size
+    met for the first time stalls while the INT4 kernels are measured); --dummy-weights writes the
+    tokenizer it is given (a folder saved by Tokenizer.save, as carried to a GPU machine)."""
+    from bench.dummy_weights import save_hf_folder
+    from nightshift.engine import Engine
+    from nightshift.engine.tokenizer import load_tokenizer
+
+    load_tokenizer("default").save(tmp_path / "tokenizer")
+    folder = save_hf_folder("llama-tiny", tmp_path / "model", tokenizer=str(tmp_path / "tokenizer"))
+    assert load_tokenizer(str(folder)).vocab_size == load_tokenizer("default").vocab_size
+    engines = []
+    real = Engine.from_pretrained.__func__
+
+    def keep(cls, *args, **kwargs):
+        engines.append(real(cls, *args, **kwargs))
+        return engines[-1]
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(keep))
+    runs, tokens = pipeline.engine_only_seconds(pipeline.request_lines(6, 4), str(folder), None, repeats=2)
+    assert len(runs) == 2 and all(seconds > 0 for seconds in runs) and tokens == 6 * 4
+    assert engines[0].stats().requests_finished == 6 * 3      # the warm-up pass and the two timed runs
