@@ -317,7 +317,7 @@ def report(runs: list[PipelineRun], engine_seconds: float, requests: int, mode: 
     if run.worker:
         rows.append("  engine workers, summed over their streams (writes, claims, loads and heartbeats run "
                     "beside the engine, on the database thread):")
-        rows += [f"    {name:48s} {value:8.3f}{'' if name in ('flushes', 'requests', 'shards') else 's'}"
+        rows += [f"    {name:48s} {value:8.3f}{'' if name in ('flushes', 'requests', 'shards', 'steps') else 's'}"
                  for name, value in sorted(run.worker.items())]
     rows.append(f"overhead vs engine only: {overhead:+.2f}s = {overhead / engine_seconds * 100:+.1f}% = "
                 f"{overhead / requests * 1000:+.3f} ms per request (target <= 0.5 ms per request on CPU with "

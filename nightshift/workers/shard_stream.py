@@ -80,6 +80,8 @@ class StreamTimings:
     heartbeats: float = 0.0
     complete: float = 0.0
     generate: float = 0.0
+    step_seconds: float = 0.0         # of `generate`, the engine's steps (the rest: admission, feed waits, queueing)
+    steps: int = 0
     database_cpu: float = 0.0         # CPU time of the database thread (it shares the GIL with the engine's)
     shards: int = 0
     requests: int = 0
@@ -141,6 +143,9 @@ class ShardStream:
         database = threading.Thread(target=self._database_loop, name=f"shard-stream-db-{shard_id}", daemon=True)
         database.start()
         generate_started = time.perf_counter()
+        listeners = getattr(self.engine, "step_listeners", None)      # the chat engine's; embeddings have none
+        if listeners is not None:
+            listeners.append(self._count_step)
         outputs = self.engine.generate(first.requests, offline=True, feed=self)
         try:
             for out in outputs:
@@ -154,6 +159,8 @@ class ShardStream:
         finally:
             outputs.close()
             self.timings.generate = time.perf_counter() - generate_started
+            if listeners is not None:
+                listeners.remove(self._count_step)
             with self.cond:
                 self.stopping = True
                 self.cond.notify_all()
@@ -166,6 +173,10 @@ class ShardStream:
         if self.run_result.status == "done" and shard_id not in self.run_result.shards_done:
             self.run_result.status = "incomplete"
         return self.run_result
+
+    def _count_step(self, report) -> None:  # noqa: ANN001 - engine.StepReport
+        self.timings.steps += 1
+        self.timings.step_seconds += report.seconds
 
     def take(self, waiting: int, idle: bool) -> Optional[list[GenerationRequest]]:
         """RequestFeed: the prepared shard's requests once the engine runs short of waiting ones;
@@ -439,9 +450,10 @@ class ShardStream:
 
     def _log_timings(self, shard_id: int) -> None:
         t = self.timings
-        log.info("timing stream=%s shards=%d requests=%d claim=%.4f load=%.4f generate=%.4f writes=%.4f flushes=%d "
-                 "complete=%.4f heartbeats=%.4f database_cpu=%.4f", shard_id, t.shards, t.requests, t.claim, t.load,
-                 t.generate, t.writes, t.flushes, t.complete, t.heartbeats, t.database_cpu)
+        log.info("timing stream=%s shards=%d requests=%d claim=%.4f load=%.4f generate=%.4f step_seconds=%.4f "
+                 "steps=%d writes=%.4f flushes=%d complete=%.4f heartbeats=%.4f database_cpu=%.4f", shard_id, t.shards,
+                 t.requests, t.claim, t.load, t.generate, t.step_seconds, t.steps, t.writes, t.flushes, t.complete,
+                 t.heartbeats, t.database_cpu)
 
 
 def _count_claim(lease: Lease, kind: str) -> None:

@@ -6,7 +6,8 @@ from bench import pipeline
 
 
 def _run(seconds: float, shards: int) -> pipeline.PipelineRun:
-    return pipeline.PipelineRun("completed", seconds, shards, {"ingest": seconds / 10}, {"writes": 0.1, "shards": 2})
+    return pipeline.PipelineRun("completed", seconds, shards, {"ingest": seconds / 10},
+                                {"writes": 0.1, "shards": 2, "step_seconds": 1.5, "steps": 40})
 
 
 def test_report_compares_the_best_runs_of_each_side():
@@ -16,6 +17,8 @@ def test_report_compares_the_best_runs_of_each_side():
     assert lines[0] == ("pipeline (embedded): completed in best 2.50s of 3.00, 2.50, 2.80s over 17 shard(s); "
                         "the best run's profile:")
     assert "0.250s" in lines[1]                                       # the best run's phases
+    assert any(line.split() == ["step_seconds", "1.500s"] for line in lines)   # the engine's steps, of generate
+    assert any(line.split() == ["steps", "40.000"] for line in lines)          # a count, no unit
     assert lines[-1].startswith("overhead vs engine only: +0.50s = +25.0% = +0.500 ms per request")
 
 

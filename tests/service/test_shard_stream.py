@@ -40,7 +40,11 @@ def shards_of(db_url, bid):  # noqa: ANN001, ANN201
         return s.scalars(select(Shard).where(Shard.batch_id == bid).order_by(Shard.seq)).all()
 
 
-def test_one_run_streams_every_waiting_shard_through_one_engine(any_db, settings_env, tmp_path, engine):  # noqa: F811
+def test_one_run_streams_every_waiting_shard_through_one_engine(any_db, settings_env, tmp_path, engine,  # noqa: F811
+                                                                 caplog):
+    import logging
+    import re
+
     from nightshift.storage.objectstore import get_object_store
 
     settings = settings_env(database_url=any_db, storage_dir=tmp_path / "o", shard_max_requests=3,
@@ -49,8 +53,16 @@ def test_one_run_streams_every_waiting_shard_through_one_engine(any_db, settings
     bid, shard_ids = ingested(any_db, store, settings, engine, [line(i) for i in range(10)])
     assert len(shard_ids) == 4                                 # 3 + 3 + 3 + 1 requests
     finalized = []
-    run = run_shard(shard_ids[0], engine, settings=settings, owner="w1", device="cpu", on_finalize=finalized.append)
+    listeners = list(engine.step_listeners)
+    with caplog.at_level(logging.INFO, logger="nightshift.workers.shard_stream"):
+        run = run_shard(shard_ids[0], engine, settings=settings, owner="w1", device="cpu",
+                        on_finalize=finalized.append)
     assert run.status == "done" and sorted(run.shards_done) == sorted(shard_ids)
+    # the stream's timing line splits generate into the engine's steps and the rest; its step counter is gone
+    timing = dict(re.findall(r"(\w+)=([\d.]+)", next(r.getMessage() for r in caplog.records
+                                                    if r.getMessage().startswith("timing stream="))))
+    assert int(timing["steps"]) > 0 and 0 < float(timing["step_seconds"]) <= float(timing["generate"])
+    assert engine.step_listeners == listeners
     assert run.results_written == 10 and run.finalize == finalized == [bid]
     # the other shards' own wake-ups now find nothing to do
     assert [run_shard(sid, engine, settings=settings, owner="w2", device="cpu").status
