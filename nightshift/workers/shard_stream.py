@@ -143,9 +143,7 @@ class ShardStream:
         database = threading.Thread(target=self._database_loop, name=f"shard-stream-db-{shard_id}", daemon=True)
         database.start()
         generate_started = time.perf_counter()
-        listeners = getattr(self.engine, "step_listeners", None)      # the chat engine's; embeddings have none
-        if listeners is not None:
-            listeners.append(self._count_step)
+        steps_before = self._step_totals()
         outputs = self.engine.generate(first.requests, offline=True, feed=self)
         try:
             for out in outputs:
@@ -159,8 +157,10 @@ class ShardStream:
         finally:
             outputs.close()
             self.timings.generate = time.perf_counter() - generate_started
-            if listeners is not None:
-                listeners.remove(self._count_step)
+            steps_after = self._step_totals()
+            if steps_before is not None and steps_after is not None:
+                self.timings.steps = steps_after[0] - steps_before[0]
+                self.timings.step_seconds = steps_after[1] - steps_before[1]
             with self.cond:
                 self.stopping = True
                 self.cond.notify_all()
@@ -174,9 +174,14 @@ class ShardStream:
             self.run_result.status = "incomplete"
         return self.run_result
 
-    def _count_step(self, report) -> None:  # noqa: ANN001 - engine.StepReport
-        self.timings.steps += 1
-        self.timings.step_seconds += report.seconds
+    def _step_totals(self) -> Optional[tuple[int, float]]:
+        """(steps, their seconds) the engine has run so far, from its own accounting (Engine.stats);
+        None for an engine without it (the embedding stream's generator)."""
+        stats = getattr(self.engine, "stats", None)
+        if stats is None:
+            return None
+        totals = stats()
+        return totals.num_steps, totals.prefill_seconds + totals.decode_seconds
 
     def take(self, waiting: int, idle: bool) -> Optional[list[GenerationRequest]]:
         """RequestFeed: the prepared shard's requests once the engine runs short of waiting ones;
