@@ -2,7 +2,8 @@
 --breakdown` (bench/engine.py).
 
 `KernelClock` times the run's calls into the CPU kernels' Python entry points (wall time inside
-each call, summed per kind): the linear layers and LM head (`cpu_gemm.linear`), attention over
+each call, summed per kind): the linear layers and LM head (`cpu_gemm.linear`; an LM head on a
+GGUF's Q8_0 blocks, `Q8Head`, apart), attention over
 each row's own positions (`cpu_paged_attention`), a step's shared prefix on AMX tiles
 (`cpu_prefix_attention`) and the fused layer's small ops (`cpu_fused_ops`). The rest of the run
 is everything else: scheduling, sampling, Python, torch ops outside these kernels, and the small
@@ -29,13 +30,16 @@ import torch
 from nightshift.engine.kernels import cpu_fused_ops, cpu_paged_attention, cpu_prefix_attention
 from nightshift.engine.kv_cache import kv_bytes_per_block
 from nightshift.engine.layers import cpu_gemm
+from nightshift.engine.layers.q8_head import Q8Head
 from nightshift.engine.layers.cpu_gemm import best_seconds
 from nightshift.engine.model_config import ModelConfig
 
-# (module, entry point, what it is): every call the CPU path makes into these goes through the
-# module's attribute, so replacing the attribute times them all
+# (module or class, entry point, what it is): every call the CPU path makes into these goes
+# through the module's (or class's) attribute, so replacing the attribute times them all
 ENTRY_POINTS = (
     (cpu_gemm, "linear", "linear layers and LM head"),
+    (Q8Head, "linear", "LM head on Q8_0 blocks"),
+    (Q8Head, "linear_int8", "LM head on Q8_0 blocks"),
     (cpu_paged_attention, "paged_attention", "attention, rows' own positions"),
     (cpu_paged_attention, "paged_attention_after_prefix", "attention, rows' own positions"),
     (cpu_prefix_attention, "prefix_attention", "attention, shared prefix (AMX)"),

@@ -78,3 +78,19 @@ def test_the_clock_counts_a_call_that_raises():
     with clock.running(), pytest.raises(RuntimeError):
         cpu_gemm.linear(torch.randn(4, 8), torch.randn(5, 7))       # shapes that do not multiply
     assert clock.calls["linear layers and LM head"] == 1
+
+
+def test_the_clock_times_an_lm_head_on_q8_0_blocks_as_its_own_kind():
+    """The Q8_0 head's methods are a class's attributes: called through an instance, they are timed
+    too (here a head without weights, whose call fails and still counts), and put back after."""
+    from nightshift.engine.layers.q8_head import Q8Head
+    original = Q8Head.linear, Q8Head.linear_int8
+    head = object.__new__(Q8Head)
+    clock = cpu_time.KernelClock()
+    with clock.running():
+        with pytest.raises(AttributeError):
+            head.linear(torch.randn(2, 32))
+        with pytest.raises(AttributeError):
+            head.linear_int8(torch.randn(2, 32))
+    assert (Q8Head.linear, Q8Head.linear_int8) == original
+    assert clock.calls == {"LM head on Q8_0 blocks": 2}
