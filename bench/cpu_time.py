@@ -5,7 +5,7 @@
 each call, summed per kind): the linear layers and LM head (`cpu_gemm.linear`; an LM head on a
 GGUF's Q8_0 blocks, `Q8Head`, apart), attention over
 each row's own positions (`cpu_paged_attention`), a step's shared prefix on AMX tiles
-(`cpu_prefix_attention`) and the fused layer's small ops (`cpu_fused_ops`). The rest of the run
+(`cpu_prefix_attention`), prefill chunks as tiles (`cpu_prefill_attention`) and the fused layer's small ops (`cpu_fused_ops`). The rest of the run
 is everything else: scheduling, sampling, Python, torch ops outside these kernels, and the small
 steps an INT4 model runs in one C call per step (models/fused_cpu_stack.py).
 
@@ -27,7 +27,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from nightshift.engine.kernels import cpu_fused_ops, cpu_paged_attention, cpu_prefix_attention
+from nightshift.engine.kernels import cpu_fused_ops, cpu_paged_attention, cpu_prefill_attention, cpu_prefix_attention
 from nightshift.engine.kv_cache import kv_bytes_per_block
 from nightshift.engine.layers import cpu_gemm
 from nightshift.engine.layers.q8_head import Q8Head
@@ -43,6 +43,7 @@ ENTRY_POINTS = (
     (cpu_paged_attention, "paged_attention", "attention, rows' own positions"),
     (cpu_paged_attention, "paged_attention_after_prefix", "attention, rows' own positions"),
     (cpu_prefix_attention, "prefix_attention", "attention, shared prefix (AMX)"),
+    (cpu_prefill_attention, "prefill_attention", "attention, prefill chunks (tiles)"),
     (cpu_fused_ops, "add_rms_norm", "residual add + RMSNorm"),
     (cpu_fused_ops, "silu_mul", "SiLU/GeLU-and-mul"),
     (cpu_fused_ops, "gelu_tanh_mul", "SiLU/GeLU-and-mul"),

@@ -1,0 +1,167 @@
+"""Prefill chunks attended as tiles of 16 rows (engine/kernels/cpu_prefill_attention.py) and the CPU
+kernel backend's use of them (attention/cpu_kernel_backend.py): against float64 attention with the
+paged kernel's bfloat16 roundings, row by row independent of the chunk around it, and on the real
+default model against the same model with every row through the paged kernel."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nightshift.engine.attention import cpu_kernel_backend
+from nightshift.engine.kernels import cpu_paged_attention, cpu_prefill_attention
+
+from test_cpu_attention import check_against_reference
+
+needs_kernel = pytest.mark.skipif(not cpu_prefill_attention.supports(9, 3, 64, torch.bfloat16),
+                                  reason="no AVX-512 BF16 on this CPU: the paged kernel attends prefill rows")
+
+
+def chunk_pool(heads: int, kv_heads: int, dim: int, block_size: int, chunks: list[tuple[int, int]], seed: int = 0):
+    """A bfloat16 pool with one sequence per chunk (start, rows): its blocks scattered, its rows
+    attending start + 1 .. start + rows positions; sharp softmaxes (queries x3). -> q, k, v,
+    tables, lens, runs."""
+    g = torch.Generator().manual_seed(seed)
+    widths = [-(-(start + rows) // block_size) for start, rows in chunks]
+    num_blocks = sum(widths) + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).bfloat16()
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=g).bfloat16()
+    ids = torch.randperm(num_blocks, generator=g).to(torch.int32)
+    total = sum(rows for _, rows in chunks)
+    tables = torch.zeros(total, max(widths), dtype=torch.int32)
+    lens = torch.zeros(total, dtype=torch.int32)
+    runs, row, used = [], 0, 0
+    for (start, rows), width in zip(chunks, widths):
+        tables[row:row + rows, :width] = ids[used:used + width]
+        lens[row:row + rows] = torch.arange(start + 1, start + rows + 1, dtype=torch.int32)
+        runs.append((row, rows))
+        row, used = row + rows, used + width
+    q = torch.randn(total, heads, dim, generator=g) * 3
+    return q, k_cache, v_cache, tables, lens, torch.tensor(runs, dtype=torch.int64)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16),
+                                                             (6, 2, 64, 8), (8, 2, 64, 16)])
+def test_tiles_match_softmax_attention(heads, kv_heads, dim, block_size):
+    """Chunks of 1, 5, 16, 17 and 40 rows (whole and partial tiles) at starts inside and on block
+    boundaries, query heads per KV head 3, 1, 8 (= 3 + 3 + 2), 3 and 4 (= 3 + 1): within 1e-5 of
+    attention with the same roundings; rows of no run are left as they were."""
+    if not cpu_prefill_attention.supports(heads, kv_heads, dim, torch.bfloat16):
+        pytest.skip("no kernel for this shape here")
+    chunks = [(0, 1), (3, 5), (2 * block_size, 16), (7, 17), (0, 40), (block_size + 1, 40)]
+    q, k_cache, v_cache, tables, lens, runs = chunk_pool(heads, kv_heads, dim, block_size, chunks)
+    mine = runs[[0, 1, 2, 4, 5]]                # the 17-row chunk is not asked for
+    out = torch.full_like(q, 7.0)
+    cpu_prefill_attention.prefill_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, mine, out)
+    skipped = torch.zeros(q.shape[0], dtype=torch.bool)
+    skipped[int(runs[3, 0]):int(runs[3].sum())] = True
+    assert torch.all(out[skipped] == 7.0)
+    check_against_reference(out[~skipped], q[~skipped], k_cache, v_cache, tables[~skipped].contiguous(),
+                            lens[~skipped], dim ** -0.5, False)
+    assert cpu_paged_attention.bf16_products(heads // kv_heads, dim, False, torch.bfloat16)
+
+
+@needs_kernel
+def test_a_row_does_not_depend_on_the_chunk_around_it():
+    """The same 40 rows as one run, as runs of 16 + 24 or 7 + 33, and one of them alone: the same bits
+    (positions past a row's length add exact zeros; a tile's other lanes are never mixed in)."""
+    q, k_cache, v_cache, tables, lens, runs = chunk_pool(9, 3, 64, 16, [(50, 40)], seed=1)
+    scale = 64 ** -0.5
+
+    def attend(split) -> torch.Tensor:
+        out = torch.zeros_like(q)
+        return cpu_prefill_attention.prefill_attention(q, k_cache, v_cache, tables, lens, scale,
+                                                       torch.tensor(split, dtype=torch.int64), out)
+
+    whole = attend([[0, 40]])
+    assert torch.equal(whole, attend([[0, 16], [16, 24]]))
+    assert torch.equal(whole, attend([[0, 7], [7, 33]]))
+    assert torch.equal(whole[23], attend([[23, 1]])[23])
+    assert not torch.equal(whole[23], whole[22])
+
+
+def test_only_bfloat16_pools_with_whole_dim_pairs_are_supported():
+    assert not cpu_prefill_attention.supports(9, 3, 64, torch.float32)
+    assert not cpu_prefill_attention.supports(6, 2, 48, torch.bfloat16)
+
+
+@needs_kernel
+def test_the_backend_takes_decode_rows_through_the_paged_kernel_and_chunks_as_tiles(monkeypatch):
+    """A mixed step's metadata: the decode rows first, then one run per prefill chunk; its output
+    within the roundings of the paged kernel on every row, the decode rows exactly its."""
+    from nightshift.engine.model_config import ModelConfig
+    from nightshift.engine.step import StepItem
+    config = ModelConfig(architecture="llama", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
+                         head_dim=64, intermediate_size=64, vocab_size=100, rms_norm_eps=1e-5, rope_theta=1e4,
+                         max_position_embeddings=512, tie_word_embeddings=True)
+    backend = cpu_kernel_backend.CpuKernelAttention(config, 16, torch.float32, torch.device("cpu"))
+    items = [StepItem(list(range(20)), 0, [0, 1]), StepItem([5], 40, [2, 3, 4]), StepItem(list(range(3)), 17, [5, 6]),
+             StepItem([9], 3, [7])]
+    meta = backend.build_metadata(items)
+    rows = meta.rows
+    assert meta.item_order == [1, 3, 0, 2] and rows.num_decode == 2
+    assert rows.runs.tolist() == [[2, 20], [22, 3]]
+    g = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(8, 16, 3, 64, generator=g).bfloat16()
+    v_cache = torch.randn(8, 16, 3, 64, generator=g).bfloat16()
+    q = torch.randn(rows.num_rows, 9, 64, generator=g)
+    calls = []
+    tiles = cpu_prefill_attention.prefill_attention
+    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", lambda *a: calls.append(1) or tiles(*a))
+    out = backend.forward(q, None, None, k_cache, v_cache, meta, 0.125)
+    assert calls == [1]
+    paged = cpu_paged_attention.paged_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125)
+    assert torch.equal(out[:2], paged[:2])
+    assert (out - paged).abs().max().item() < 1e-3
+    check_against_reference(out, q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125, False)
+
+
+@needs_kernel
+@pytest.mark.slow
+def test_the_default_model_on_bf16_math_drifts_no_more_with_tiled_prefill(default_model_path, fp32_model,
+                                                                         monkeypatch):
+    """Twelve prompts sharing a cached system prompt, prefilled together (one run each), then decoded
+    with forced tokens through the fused bf16 layers: with the chunks as tiles the logits follow
+    the float32 model as closely as with every row through the paged kernel, and pick the same
+    top-1 wherever that leads."""
+    from nightshift.engine.layers import cpu_math
+    from nightshift.engine.loader import load_model
+    from nightshift.engine.model_runner import ModelRunner
+    from nightshift.engine.step import StepItem
+    if "bf16" not in cpu_math.supported():
+        pytest.skip("no bf16 CPU math here")
+    model = load_model(default_model_path, dtype=torch.float32, cpu_math="bf16")
+    g = torch.Generator().manual_seed(4)
+    rows, shared = 12, 5 * 16
+    prompt = torch.randint(100, 40000, (shared,), generator=g).tolist()
+    own = [torch.randint(100, 40000, (int(n),), generator=g).tolist() for n in torch.randint(20, 60, (rows,), generator=g)]
+    forced = torch.randint(100, 40000, (rows, 4), generator=g).tolist()
+    calls = []
+    tiles = cpu_prefill_attention.prefill_attention
+    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", lambda *a: calls.append(1) or tiles(*a))
+
+    def run(m, tiled: bool) -> torch.Tensor:
+        runner = ModelRunner(m, num_kv_blocks=5 + rows * 5, block_size=16)
+        tables = [list(range(5)) + [5 + 5 * i + j for j in range(5)] for i in range(rows)]
+        with monkeypatch.context() as patch:
+            if not tiled:
+                patch.setattr(cpu_prefill_attention, "supports", lambda *a: False)
+            first = runner.execute([StepItem(prompt, 0, tables[0])])
+            steps = [runner.execute([StepItem(o, shared, t) for o, t in zip(own, tables)])]
+            for step in range(4):
+                steps.append(runner.execute([StepItem([f[step]], shared + len(o) + step, t)
+                                             for f, o, t in zip(forced, own, tables)]))
+        return torch.cat([first, *steps])
+
+    tiled = run(model, True)
+    assert len(calls) == 2 * model.config.num_layers      # the two prefill steps, every layer
+    untiled = run(model, False)
+    reference = run(fp32_model, False)
+    kl = lambda x: torch.nn.functional.kl_div(x.log_softmax(-1), reference.log_softmax(-1), log_target=True,  # noqa: E731
+                                              reduction="batchmean").item()
+    assert kl(tiled) <= 1.25 * kl(untiled) + 1e-4, (kl(tiled), kl(untiled))
+    top2 = untiled.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.25
+    assert clear.sum() >= 30, clear.sum()
+    assert torch.equal(tiled.argmax(-1)[clear], untiled.argmax(-1)[clear])
+    assert not torch.equal(tiled, untiled)
