@@ -62,6 +62,26 @@ def test_tiles_match_softmax_attention(heads, kv_heads, dim, block_size):
 
 
 @needs_kernel
+@pytest.mark.parametrize("window", [2, 5, 16, 23, 70])
+def test_a_sliding_window_sees_only_each_row_s_last_positions(window):
+    """Windows of two positions, shorter than a block, a block, between blocks and longer than every row: within 1e-5
+    of windowed attention with the same roundings; the table entries of blocks wholly before the
+    run's first row's window are never read (here ids far outside the pool: reading one would fault
+    or give garbage)."""
+    chunks = [(0, 9), (20, 40), (45, 17), (3, 1)]
+    q, k_cache, v_cache, tables, lens, runs = chunk_pool(9, 3, 64, 16, chunks, seed=window)
+    for first, rows in runs.tolist():
+        before = max(0, int(lens[first]) - window) // 16        # blocks wholly before the first row's window
+        tables[first:first + rows, :before] = 10 ** 8
+    out = torch.zeros_like(q)
+    cpu_prefill_attention.prefill_attention(q, k_cache, v_cache, tables, lens, 64 ** -0.5, runs, out, window)
+    check_against_reference(out, q, k_cache, v_cache, tables.clamp(max=k_cache.shape[0] - 1), lens, 64 ** -0.5,
+                            False, window=window)
+    with pytest.raises(ValueError):
+        cpu_prefill_attention.prefill_attention(q, k_cache, v_cache, tables, lens, 1.0, runs, out, 0)
+
+
+@needs_kernel
 def test_a_row_does_not_depend_on_the_chunk_around_it():
     """The same 40 rows as one run, as runs of 16 + 24 or 7 + 33, and one of them alone: the same bits
     (positions past a row's length add exact zeros; a tile's other lanes are never mixed in)."""

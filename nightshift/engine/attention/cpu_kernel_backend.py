@@ -31,7 +31,7 @@ then depend on whether its step shares the prefix (as the bf16 GEMMs on AMX alre
 step's row count). NIGHTSHIFT_CPU_PREFIX_ATTENTION=0 turns it off.
 
 Prefill chunks as tiles: over a bfloat16 pool on a CPU with AVX-512 BF16 (and without the AMX
-prefix path above for the step), every prefill chunk's rows (a run: one sequence's rows, after the
+prefix path above for the step; sliding windows included, soft-capping not), every prefill chunk's rows (a run: one sequence's rows, after the
 step's decode rows) go to kernels/cpu_prefill_attention.py, 16 rows of a query head a register
 tile, with the paged kernel's roundings; the decode rows stay on the paged kernel. A prompt row's
 result then depends on whether its chunk is a prefill chunk (one new token after cached ones is a
@@ -127,20 +127,20 @@ class CpuKernelAttention(AttentionBackend):
             return cpu_paged_attention.paged_attention_after_prefix(
                 q, k_cache, v_cache, rows.block_tables, rows.context_lens, scale,
                 rows.prefix_blocks.numel() * self.block_size, out, lse)
-        if (rows.runs is not None and window is None and softcap is None
+        if (rows.runs is not None and softcap is None
                 and cpu_prefill_attention.supports(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.dtype)):
-            return self._prefill_tiles(q, k_cache, v_cache, rows, scale)
+            return self._prefill_tiles(q, k_cache, v_cache, rows, scale, window)
         return cpu_paged_attention.paged_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens, scale,
                                                    window=window, softcap=softcap)
 
     @staticmethod
-    def _prefill_tiles(q, k_cache, v_cache, rows: KernelRows, scale: float) -> torch.Tensor:
+    def _prefill_tiles(q, k_cache, v_cache, rows: KernelRows, scale: float, window: Optional[int]) -> torch.Tensor:
         """The decode rows (the first ``num_decode``) through the paged kernel, every prefill
         chunk's rows as tiles (kernels/cpu_prefill_attention.py)."""
         out = torch.empty_like(q)
         d = rows.num_decode
         if d:
             out[:d] = cpu_paged_attention.paged_attention(q[:d], k_cache, v_cache, rows.block_tables[:d],
-                                                          rows.context_lens[:d], scale)
+                                                          rows.context_lens[:d], scale, window=window)
         return cpu_prefill_attention.prefill_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens,
-                                                       scale, rows.runs, out)
+                                                       scale, rows.runs, out, window)

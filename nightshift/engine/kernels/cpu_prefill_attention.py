@@ -4,10 +4,11 @@ The rows of one sequence's prefill chunk all read the same K/V blocks. The paged
 (kernels/cpu_paged_attention.py) takes them one row at a time: per row and KV head each position's
 dot product is summed across the vector's lanes (a transposing reduction), about a third of its
 work, and its `vdpbf16ps` run at ~35% of what oneDNN's bf16 GEMMs reach on the same cores. Here a
-register tile holds 16 rows of one query head, one row per lane, so nothing is summed across
-lanes: the scores of 8 positions at a time are `vdpbf16ps` of the 16 rows' query dim pairs against
-each position's K dim pair broadcast straight from the pool; the softmax runs on those vectors
-(each lane its row's maximum, exponentials and sum); the output, 16 dims at a time, is `vdpbf16ps`
+register tile holds 16 rows of a query head, one row per lane, so nothing is summed across lanes:
+the scores of 4 positions at a time are `vdpbf16ps` of the 16 rows' query dim pairs against each
+position's K dim pair broadcast straight from the pool (one broadcast for up to three query heads
+of its KV head); the softmax runs on those vectors (each lane its row's maximum, exponentials and
+sum); the output, 16 dims at a time, is `vdpbf16ps`
 of the rows' probabilities for two positions against the two positions' V values of a dim,
 broadcast from a copy of the sequence's V for that KV head with position pairs interleaved (made
 once per call and KV head, shared by all the chunk's tiles).
@@ -17,8 +18,10 @@ the unnormalized probabilities rounded to bfloat16, K and V as stored, the produ
 softmax sum in float32; only the order of the float32 sums differs (results within ~1e-6). Each
 lane's arithmetic is its row's alone (positions past a row's length get probability 0, adding
 exact zeros), so a row's result does not depend on the other rows of its tile, its chunk or its
-step. Only over a bfloat16 pool on a CPU with AVX-512 BF16, head dims a multiple of 32, no window
-or soft-capping (``supports``); NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
+step. A sliding window masks the positions before each row's window and reads nothing before the
+run's first row's (those blocks may have been given back). Only over a bfloat16 pool on a CPU with
+AVX-512 BF16, head dims a multiple of 32 (``supports``); no soft-capping (the backend keeps such
+layers on the paged kernel); NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
 
 Measured (ad hoc, a 2-core AMD EPYC Zen 5, AVX-512 with avx512_bf16, 2 threads, the default
 model's 9 query heads over 3 KV heads of 64, blocks of 16, the pool in cache), the paged kernel
@@ -55,24 +58,31 @@ SOURCE = r"""
 #define GC 3              /* query heads of one KV head a tile takes at once */
 #define PAIRS (HD / 2)
 
+/* the first position a row of length len sees (window: its last `window` positions; 0: all), made
+   even: positions before a row's window are masked, never read past the run's first row's start */
+static inline int64_t window_start(int64_t len, int64_t window) {
+    const int64_t first = window > 0 && len > window ? len - window : 0;
+    return first & ~(int64_t)1;
+}
+
 static inline uint32_t bf16_bits(float f) {          /* round to nearest even, as cvtneps_pbh */
     uint32_t u; memcpy(&u, &f, 4);
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
 }
 
-/* V of positions 0 .. L-1 of KV head h as position pairs: vi[j * HD + d] = V[2j][d] | V[2j+1][d] << 16
-   (the odd last position's partner 0) */
-static void interleave_v(const uint16_t *v_cache, const int32_t *tab, int64_t L, int64_t bs, int64_t row,
-                         int64_t h, uint32_t *vi) {
-    for (int64_t j = 0; 2 * j < L; j++) {
+/* V of positions lo .. L-1 of KV head h (lo even) as position pairs: vi[(j - lo / 2) * HD + d] =
+   V[2j][d] | V[2j+1][d] << 16 (the odd last position's partner 0) */
+static void interleave_v(const uint16_t *v_cache, const int32_t *tab, int64_t lo, int64_t L, int64_t bs,
+                         int64_t row, int64_t h, uint32_t *vi) {
+    for (int64_t j = lo / 2; 2 * j < L; j++, vi += HD) {
         const int64_t p0 = 2 * j, p1 = 2 * j + 1;
         const uint16_t *a = v_cache + ((int64_t)tab[p0 / bs] * bs + p0 % bs) * row + h * HD;
         const uint16_t *b = p1 < L ? v_cache + ((int64_t)tab[p1 / bs] * bs + p1 % bs) * row + h * HD : 0;
         for (int d = 0; d < HD; d += 16) {
-            const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + d)));
-            const __m512i hi = b ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + d))), 16)
+            const __m512i va = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + d)));
+            const __m512i vb = b ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + d))), 16)
                                  : _mm512_setzero_si512();
-            _mm512_storeu_si512((void *)(vi + j * HD + d), _mm512_or_si512(lo, hi));
+            _mm512_storeu_si512((void *)(vi + d), _mm512_or_si512(va, vb));
         }
     }
 }
@@ -82,7 +92,8 @@ static void interleave_v(const uint16_t *v_cache, const int32_t *tab, int64_t L,
    for GC heads' scores [Lpad][16] and probability pairs [Lpad / 2][16]. */
 static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, const int32_t *tab,
                  const int32_t *lens, float *out, int64_t first, int64_t m, int64_t H, int64_t hg0, int gc,
-                 int64_t h, int64_t bs, int64_t row, float scale, int64_t lpad, float *s, uint32_t *pp) {
+                 int64_t h, int64_t bs, int64_t row, float scale, int64_t window, int64_t vlo, int64_t lpad,
+                 float *s, uint32_t *pp) {
     uint32_t qt[GC][PAIRS * LANES] __attribute__((aligned(64)));
     int32_t len[LANES] __attribute__((aligned(64)));
     for (int l = 0; l < LANES; l++) {
@@ -95,15 +106,18 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
         }
     }
     const int64_t L = lens[first + m - 1];               /* the tile's longest row: the run's lens grow */
-    const int64_t Lp = (L + POS - 1) / POS * POS;
+    const int64_t lo = window_start(lens[first], window);  /* the tile's first row's first position (even) */
+    const int64_t Lp = lo + (L - lo + POS - 1) / POS * POS;
     const __m512i lv = _mm512_load_si512((const void *)len);
+    /* a lane's first position (a window: len - window; all: 0), for the mask */
+    const __m512i fv = window > 0 ? _mm512_sub_epi32(lv, _mm512_set1_epi32((int)window)) : _mm512_set1_epi32(INT32_MIN);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 mx[GC];
     for (int g = 0; g < GC; g++) mx[g] = ninf;
-    for (int64_t t0 = 0; t0 < Lp; t0 += POS) {
+    for (int64_t t0 = lo; t0 < Lp; t0 += POS) {
         const uint32_t *kp[POS];
         for (int j = 0; j < POS; j++) {
-            const int64_t t = t0 + j < L ? t0 + j : L - 1;
+            const int64_t t = t0 + j < L ? t0 + j : L - 1;      /* past the tile's rows: masked */
             kp[j] = (const uint32_t *)(k_cache + ((int64_t)tab[t / bs] * bs + t % bs) * row + h * HD);
         }
         __m512 acc[GC][POS];
@@ -117,8 +131,9 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
                 for (int j = 0; j < POS; j++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], qv, (__m512bh)kb[j]);
             }
         }
-        for (int j = 0; j < POS; j++) {        /* positions at or past a row's length: -inf */
-            const __mmask16 in = _mm512_cmpgt_epi32_mask(lv, _mm512_set1_epi32((int)(t0 + j)));
+        for (int j = 0; j < POS; j++) {        /* positions at or past a row's length or before its window: -inf */
+            const __m512i tv = _mm512_set1_epi32((int)(t0 + j));
+            const __mmask16 in = _mm512_cmpgt_epi32_mask(lv, tv) & _mm512_cmple_epi32_mask(fv, tv);
             for (int g = 0; g < GC; g++) {
                 const __m512 sc = _mm512_mask_mov_ps(ninf, in, acc[g][j]);
                 _mm512_store_ps(s + (g * lpad + t0 + j) * LANES, sc);
@@ -126,13 +141,13 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
             }
         }
     }
-    const int64_t pairs = (L + 1) / 2;
+    const int64_t pairs = (L + 1) / 2;               /* PV over pairs lo / 2 .. pairs - 1 */
     float o[16 * LANES] __attribute__((aligned(64)));
     for (int g = 0; g < gc; g++) {
         const float *sg = s + g * lpad * LANES;
         uint32_t *pg = pp + g * (lpad / 2) * LANES;
         __m512 total = _mm512_setzero_ps();
-        for (int64_t t = 0; t < Lp; t += 2) {
+        for (int64_t t = lo; t < Lp; t += 2) {
             const __m512 e0 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + t * LANES), mx[g]));
             const __m512 e1 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + (t + 1) * LANES), mx[g]));
             total = _mm512_add_ps(_mm512_add_ps(total, e0), e1);
@@ -144,9 +159,9 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
         for (int d0 = 0; d0 < HD; d0 += 16) {
             __m512 acc[16];
             for (int d = 0; d < 16; d++) acc[d] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < pairs; j++) {
+            for (int64_t j = lo / 2; j < pairs; j++) {
                 const __m512bh pv = (__m512bh)_mm512_load_si512((const void *)(pg + j * LANES));
-                const uint32_t *vj = vi + j * HD + d0;
+                const uint32_t *vj = vi + (j - vlo / 2) * HD + d0;
                 for (int d = 0; d < 16; d++) acc[d] = _mm512_dpbf16_ps(acc[d], pv, (__m512bh)_mm512_set1_epi32((int)vj[d]));
             }
             for (int d = 0; d < 16; d++) _mm512_store_ps(o + d * LANES, _mm512_mul_ps(acc[d], inv));
@@ -163,14 +178,15 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
    Pools bfloat16 [blocks, bs, KVH, HD]; other rows of out are left as they are. */
 void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
                        int64_t tw, const int32_t *lens, float *out, int64_t KVH, int64_t GQ, int64_t bs,
-                       float scale, const int64_t *runs, int64_t nruns) {
+                       float scale, int64_t window, const int64_t *runs, int64_t nruns) {
     const int64_t H = KVH * GQ, row = KVH * HD;
     int64_t *voff = (int64_t *)malloc(sizeof(int64_t) * (nruns * KVH + 1));
     int64_t items = 0, words = 0, lmax = 0;
     for (int64_t r = 0; r < nruns; r++) {
         const int64_t L = lens[runs[2 * r] + runs[2 * r + 1] - 1];
         lmax = L > lmax ? L : lmax;
-        for (int64_t h = 0; h < KVH; h++) { voff[r * KVH + h] = words; words += (L + 1) / 2 * HD; }
+        const int64_t lo = window_start(lens[runs[2 * r]], window);
+        for (int64_t h = 0; h < KVH; h++) { voff[r * KVH + h] = words; words += ((L + 1) / 2 - lo / 2) * HD; }
         items += KVH * ((GQ + GC - 1) / GC) * ((runs[2 * r + 1] + LANES - 1) / LANES);
     }
     uint32_t *vi = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (words + 16));
@@ -186,7 +202,8 @@ void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *
         #pragma omp for schedule(dynamic)
         for (int64_t x = 0; x < nruns * KVH; x++) {
             const int64_t r = x / KVH, h = x % KVH, first = runs[2 * r];
-            interleave_v(v_cache, tables + first * tw, lens[first + runs[2 * r + 1] - 1], bs, row, h, vi + voff[x]);
+            interleave_v(v_cache, tables + first * tw, window_start(lens[first], window),
+                         lens[first + runs[2 * r + 1] - 1], bs, row, h, vi + voff[x]);
         }
         float *s = (float *)aligned_alloc(64, sizeof(float) * GC * lpad * LANES);
         uint32_t *pp = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * GC * (lpad / 2) * LANES);
@@ -195,7 +212,8 @@ void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *
             const int64_t r = work[3 * x], t = work[3 * x + 1], hg = work[3 * x + 2], h = hg / GQ;
             const int64_t first = runs[2 * r] + t, rows = runs[2 * r + 1] - t, left = (h + 1) * GQ - hg;
             tile(q, k_cache, vi + voff[r * KVH + h], tables + runs[2 * r] * tw, lens, out, first,
-                 rows < LANES ? rows : LANES, H, hg, left < GC ? (int)left : GC, h, bs, row, scale, lpad, s, pp);
+                 rows < LANES ? rows : LANES, H, hg, left < GC ? (int)left : GC, h, bs, row, scale, window,
+                 window_start(lens[runs[2 * r]], window), lpad, s, pp);
         }
         free(s); free(pp);
     }
@@ -216,7 +234,7 @@ def load(head_dim: int = 64) -> Optional[ctypes.CDLL]:
     if lib is not None:
         lib.prefill_attention.restype = None
         lib.prefill_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-            [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int64]
+            [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 
@@ -227,13 +245,18 @@ def supports(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.d
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                      lens: torch.Tensor, scale: float, runs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                      lens: torch.Tensor, scale: float, runs: torch.Tensor, out: torch.Tensor,
+                      window: Optional[int] = None) -> torch.Tensor:
     """Writes into ``out`` `[n, H, D]` the attention of the rows of ``runs`` (`[k, 2]` int64: first
     row, rows; each run one sequence's prefill chunk: its rows share the first row's table and
     their lens grow by one a row) over the bfloat16 pool; q `[n, H, D]` float32, tables `[n, w]`
-    int32, lens `[n]` int32 as for cpu_paged_attention.paged_attention. Other rows are left alone."""
+    int32, lens `[n]` int32 as for cpu_paged_attention.paged_attention. Other rows are left alone.
+    window: each row sees only its last `window` positions (table entries of blocks wholly before
+    the run's first row's window are never read: the block manager may have given them back)."""
     n, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
     assert supports(heads, kv_heads, dim, k_cache.dtype) and v_cache.dtype == k_cache.dtype
     assert q.dtype == out.dtype == torch.float32 and out.shape == q.shape and out.is_contiguous()
     assert tables.dtype == lens.dtype == torch.int32 and tables.is_contiguous() and lens.is_contiguous()
@@ -247,5 +270,5 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     q = q.contiguous()
     load(dim).prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                 tables.shape[1], lens.data_ptr(), out.data_ptr(), kv_heads, heads // kv_heads,
-                                block_size, scale, runs.data_ptr(), runs.shape[0])
+                                block_size, scale, window or 0, runs.data_ptr(), runs.shape[0])
     return out
