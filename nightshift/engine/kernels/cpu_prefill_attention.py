@@ -54,8 +54,18 @@ SOURCE = r"""
 #include <omp.h>
 """ + EXP16_AVX512 + r"""
 #define LANES 16          /* rows of one tile: one per lane */
-#define POS 4             /* positions of one score step */
-#define GC 3              /* query heads of one KV head a tile takes at once */
+/* query heads of one KV head a tile takes at once (GC, a divisor of the group GQ where one is small)
+   and positions of one score step (POS): 12 accumulators in registers either way */
+#if GQ % 3 == 0
+#define GC 3
+#define POS 4
+#elif GQ % 2 == 0
+#define GC 2
+#define POS 6
+#else
+#define GC 1
+#define POS 12
+#endif
 #define PAIRS (HD / 2)
 
 /* the first position a row of length len sees (window: its last `window` positions; 0: all), made
@@ -177,7 +187,7 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
    each run one sequence's chunk, its rows sharing the first row's table, lens growing by one a row.
    Pools bfloat16 [blocks, bs, KVH, HD]; other rows of out are left as they are. */
 void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
-                       int64_t tw, const int32_t *lens, float *out, int64_t KVH, int64_t GQ, int64_t bs,
+                       int64_t tw, const int32_t *lens, float *out, int64_t KVH, int64_t bs,
                        float scale, int64_t window, const int64_t *runs, int64_t nruns) {
     const int64_t H = KVH * GQ, row = KVH * HD;
     int64_t *voff = (int64_t *)malloc(sizeof(int64_t) * (nruns * KVH + 1));
@@ -224,24 +234,25 @@ FLAGS = [*OPTIMIZE, "-ffast-math"]
 
 
 @functools.cache
-def load(head_dim: int = 64) -> Optional[ctypes.CDLL]:
-    """The kernel for `head_dim` (a multiple of 32), built on first use; None where the CPU has no
-    AVX-512 BF16, the build fails, or NIGHTSHIFT_CPU_PREFILL_ATTENTION=0."""
-    if (os.environ.get("NIGHTSHIFT_CPU_PREFILL_ATTENTION", "1") == "0" or head_dim % 32
+def load(group: int = 3, head_dim: int = 64) -> Optional[ctypes.CDLL]:
+    """The kernel for `group` query heads per KV head and `head_dim` (a multiple of 32), built on
+    first use; None where the CPU has no AVX-512 BF16, the build fails, or
+    NIGHTSHIFT_CPU_PREFILL_ATTENTION=0."""
+    if (os.environ.get("NIGHTSHIFT_CPU_PREFILL_ATTENTION", "1") == "0" or head_dim % 32 or group < 1
             or not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_flags()):
         return None
-    lib = load_library(f"prefill_attention-d{head_dim}", SOURCE, [*FLAGS, f"-DHD={head_dim}"])
+    lib = load_library(f"prefill_attention-g{group}-d{head_dim}", SOURCE, [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}"])
     if lib is not None:
         lib.prefill_attention.restype = None
         lib.prefill_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
-            [ctypes.c_int64] * 3 + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+            [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> bool:
     """Whether this CPU runs the kernel for this shape: a bfloat16 pool, head dims a multiple of 32."""
     return (kv_dtype == torch.bfloat16 and num_heads % num_kv_heads == 0 and head_dim <= 256
-            and load(head_dim) is not None)
+            and load(num_heads // num_kv_heads, head_dim) is not None)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -268,7 +279,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     first, count = runs[:, 0], runs[:, 1]
     assert int(count.min()) >= 1 and int((first + count).max()) <= n and int(first.min()) >= 0
     q = q.contiguous()
-    load(dim).prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                                tables.shape[1], lens.data_ptr(), out.data_ptr(), kv_heads, heads // kv_heads,
-                                block_size, scale, window or 0, runs.data_ptr(), runs.shape[0])
+    load(heads // kv_heads, dim).prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                                   tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
+                                                   kv_heads, block_size, scale, window or 0, runs.data_ptr(),
+                                                   runs.shape[0])
     return out
