@@ -11,6 +11,7 @@ Prefill: one chunk of --chunk tokens over a cached prefix. Also times the load o
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -43,16 +44,31 @@ def time_step(runner: ModelRunner, items, repeats: int) -> float:
 
 
 @torch.inference_mode()
+def linear_rows(model, rows: int) -> list[tuple[torch.nn.Module, int]]:
+    """Every linear layer of the decoder with the rows it multiplies in a step of `rows` tokens:
+    all of them, except a mixture of experts' routed experts (models/moe.py: a block with
+    `experts`, `top_k` and `num_experts`), each on its even share of the step's `rows * top_k`
+    (token, expert) assignments."""
+    share = {}
+    for block in model.layers.modules():
+        if isinstance(getattr(block, "experts", None), torch.nn.ModuleList) and hasattr(block, "top_k"):
+            per_expert = max(1, math.ceil(rows * block.top_k / block.num_experts))
+            share.update((id(m), per_expert) for m in block.experts.modules())
+    return [(m, share.get(id(m), rows)) for m in model.layers.modules()
+            if hasattr(m, "in_features") and not list(m.children())]
+
+
 def matmul_floor(model, rows: int, repeats: int, lm_head: bool = True) -> float:
-    """Seconds of one step's matmuls alone on `rows` rows: every linear layer of the decoder,
-    then (unless `lm_head` is False, as for prompt rows that need no logits) the LM head."""
-    linears = [m for m in model.layers.modules() if hasattr(m, "in_features") and not list(m.children())]
-    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
+    """Seconds of one step's matmuls alone on `rows` rows: every linear layer of the decoder (a
+    routed expert on its share of the rows: `linear_rows`), then (unless `lm_head` is False, as
+    for prompt rows that need no logits) the LM head."""
+    linears = linear_rows(model, rows)
+    inputs = {(m.in_features, n): torch.randn(n, m.in_features, dtype=model.dtype) for m, n in linears}
     hidden = torch.randn(rows, model.config.hidden_size, dtype=model.dtype)
 
     def step():
-        for m in linears:
-            m(inputs[m.in_features])
+        for m, n in linears:
+            m(inputs[m.in_features, n])
         if lm_head:
             model.project_logits(hidden)
     return best_seconds(step, repeats)

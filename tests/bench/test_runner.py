@@ -60,3 +60,34 @@ def test_matmul_floor_without_the_lm_head_skips_it(fp32_model):
             handle.remove()
     if handle is not None:   # warm-up + one timed call, 2 rows x the vocabulary
         assert calls == [(2, fp32_model.config.vocab_size)] * 2
+
+
+def test_matmul_floor_gives_each_routed_expert_its_share_of_the_rows(tmp_path):
+    """A mixture of experts' step multiplies each routed expert by about rows * top_k / num_experts
+    of its rows, not all of them (which made the floor of an OLMoE run longer than the run): the
+    tiny OLMoE of tests/engine/models/test_moe.py, 4 experts, top 2, 10 rows -> 5 rows an expert."""
+    from bench.runner import linear_rows
+    from nightshift.engine.loader import load_model
+    from nightshift.engine.models.moe import SparseMoeBlock
+    import transformers as tf
+    config = tf.OlmoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                            max_position_embeddings=256, eos_token_id=2, pad_token_id=1)
+    torch.manual_seed(0)
+    tf.OlmoeForCausalLM(config).save_pretrained(tmp_path)
+    model = load_model(str(tmp_path), cpu_math="float32")
+    experts = {id(m) for block in model.layers.modules() if isinstance(block, SparseMoeBlock)
+               for m in block.experts.modules()}
+    rows = dict((id(m), n) for m, n in linear_rows(model, 10))
+    assert {n for key, n in rows.items() if key in experts} == {5}
+    assert {n for key, n in rows.items() if key not in experts} == {10}
+    assert sum(key in experts for key in rows) == 2 * 4 * 2          # layers x experts x (gate_up, down)
+    calls = []
+    handles = [m.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+               for m in model.layers.modules() if id(m) in rows]
+    try:
+        assert matmul_floor(model, rows=10, repeats=1, lm_head=False) > 0
+    finally:
+        for h in handles:
+            h.remove()
+    assert sorted(calls) == sorted(list(rows.values()) * 2)           # warm-up + one timed step
