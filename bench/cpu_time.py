@@ -3,10 +3,10 @@
 
 `KernelClock` times the run's calls into the CPU kernels' Python entry points (wall time inside
 each call, summed per kind): the linear layers and LM head (`cpu_gemm.linear`; an LM head on a
-GGUF's Q8_0 blocks, `Q8Head`, apart), attention over
-each row's own positions (`cpu_paged_attention`), a step's shared prefix on AMX tiles
-(`cpu_prefix_attention`), prefill chunks as tiles (`cpu_prefill_attention`) and the fused layer's small ops (`cpu_fused_ops`). The rest of the run
-is everything else: scheduling, sampling, Python, torch ops outside these kernels, and the small
+GGUF's Q8_0 blocks, `Q8Head`, apart), attention over each row's own positions
+(`cpu_paged_attention`), a step's shared prefix on AMX tiles (`cpu_prefix_attention`), prefill
+chunks as tiles (`cpu_prefill_attention`) and the fused layer's small ops (`cpu_fused_ops`). The
+rest of the run is everything else: scheduling, sampling, Python, torch ops outside these kernels, and the small
 steps an INT4 model runs in one C call per step (models/fused_cpu_stack.py).
 
 `kv_read_bound` is a floor under the attention of the standard workload's decode steps: every

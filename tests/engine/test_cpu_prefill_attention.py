@@ -153,7 +153,8 @@ def test_the_default_model_on_bf16_math_drifts_no_more_with_tiled_prefill(defaul
     g = torch.Generator().manual_seed(4)
     rows, shared = 12, 5 * 16
     prompt = torch.randint(100, 40000, (shared,), generator=g).tolist()
-    own = [torch.randint(100, 40000, (int(n),), generator=g).tolist() for n in torch.randint(20, 60, (rows,), generator=g)]
+    own = [torch.randint(100, 40000, (int(n),), generator=g).tolist()
+           for n in torch.randint(20, 60, (rows,), generator=g)]
     forced = torch.randint(100, 40000, (rows, 4), generator=g).tolist()
     calls = []
     tiles = cpu_prefill_attention.prefill_attention

@@ -31,12 +31,13 @@ then depend on whether its step shares the prefix (as the bf16 GEMMs on AMX alre
 step's row count). NIGHTSHIFT_CPU_PREFIX_ATTENTION=0 turns it off.
 
 Prefill chunks as tiles: over a bfloat16 pool on a CPU with AVX-512 BF16 (and without the AMX
-prefix path above for the step; sliding windows included, soft-capping not), every prefill chunk's rows (a run: one sequence's rows, after the
-step's decode rows) go to kernels/cpu_prefill_attention.py, 16 rows of a query head a register
-tile, with the paged kernel's roundings; the decode rows stay on the paged kernel. A prompt row's
-result then depends on whether its chunk is a prefill chunk (one new token after cached ones is a
-decode row), not on the other rows. On a 2-core Zen 5: `bench.runner`'s 1,024-token chunk over
-1,024 cached 700.7 -> 468.9 ms. NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
+prefix path above for the step; sliding windows included, soft-capping not), every prefill chunk's
+rows (a run: one sequence's rows, after the step's decode rows) go to
+kernels/cpu_prefill_attention.py, 16 rows of a query head a register tile, with the paged kernel's
+roundings; the decode rows stay on the paged kernel. A prompt row's result then depends on whether
+its chunk is a prefill chunk (one new token after cached ones is a decode row), not on the other
+rows. On a 2-core Zen 5, `bench.runner`'s 1,024-token chunk over 1,024 cached: 612.6-700.7 ->
+448.0-468.9 ms. NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
 """
 from __future__ import annotations
 

@@ -90,7 +90,8 @@ static void interleave_v(const uint16_t *v_cache, const int32_t *tab, int64_t lo
         const uint16_t *b = p1 < L ? v_cache + ((int64_t)tab[p1 / bs] * bs + p1 % bs) * row + h * HD : 0;
         for (int d = 0; d < HD; d += 16) {
             const __m512i va = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + d)));
-            const __m512i vb = b ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + d))), 16)
+            const __m512i vb = b ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                       _mm256_loadu_si256((const __m256i *)(b + d))), 16)
                                  : _mm512_setzero_si512();
             _mm512_storeu_si512((void *)(vi + d), _mm512_or_si512(va, vb));
         }
@@ -172,7 +173,8 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
             for (int64_t j = lo / 2; j < pairs; j++) {
                 const __m512bh pv = (__m512bh)_mm512_load_si512((const void *)(pg + j * LANES));
                 const uint32_t *vj = vi + (j - vlo / 2) * HD + d0;
-                for (int d = 0; d < 16; d++) acc[d] = _mm512_dpbf16_ps(acc[d], pv, (__m512bh)_mm512_set1_epi32((int)vj[d]));
+                for (int d = 0; d < 16; d++)
+                    acc[d] = _mm512_dpbf16_ps(acc[d], pv, (__m512bh)_mm512_set1_epi32((int)vj[d]));
             }
             for (int d = 0; d < 16; d++) _mm512_store_ps(o + d * LANES, _mm512_mul_ps(acc[d], inv));
             for (int l = 0; l < m; l++) {
@@ -205,7 +207,9 @@ void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *
     for (int64_t r = 0; r < nruns; r++)
         for (int64_t t = 0; t < runs[2 * r + 1]; t += LANES)
             for (int64_t h = 0; h < KVH; h++)       /* GC query heads of one KV head at a time */
-                for (int64_t c = 0; c < GQ; c += GC) { work[3 * w] = r; work[3 * w + 1] = t; work[3 * w + 2] = h * GQ + c; w++; }
+                for (int64_t c = 0; c < GQ; c += GC, w++) {
+                    work[3 * w] = r; work[3 * w + 1] = t; work[3 * w + 2] = h * GQ + c;
+                }
     const int64_t lpad = (lmax + POS - 1) / POS * POS + POS;
     #pragma omp parallel
     {
