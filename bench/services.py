@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -36,10 +37,32 @@ PG_ADMIN_URL = os.environ.get("NIGHTSHIFT_BENCH_PG_ADMIN_URL", "postgresql+psyco
 REDIS_URL = os.environ.get("NIGHTSHIFT_BENCH_REDIS_URL", "redis://127.0.0.1:6379/5")
 
 
+# free_port's ports: below Linux's ephemeral range (32768-60999 by default), which the kernel hands
+# to outgoing connections and to bind(0) (the latter only one parity of them), so no client socket
+# takes a port between its pick and the server's bind
+PORT_RANGE = (10000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A local port nothing is bound to now, at random from PORT_RANGE. Under pytest-xdist only a
+    port of this worker's own residue (port % workers == its index): the port is free only until a
+    server binds it, so two workers starting servers at once could both be handed it, and one
+    test's health check then answered by the other worker's server (a suite failure seen once: a
+    fresh key refused with 401 by an API on another database)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = (int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0) % workers
+    low, high = PORT_RANGE
+    while True:
+        port = random.randrange(-(-low // workers), high // workers) * workers + index
+        if port >= high:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 def wait_http(url: str, proc: Optional[subprocess.Popen] = None, timeout: float = 120.0) -> None:

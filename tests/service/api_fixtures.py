@@ -4,8 +4,6 @@ exactly as in production. Test modules import the fixtures they use from here.""
 from __future__ import annotations
 
 import contextlib
-
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +14,11 @@ from typing import Optional
 import httpx
 import pytest
 
+from bench.services import free_port
 from nightshift.workers import procs
 from tests.service import celery_procs
 
 REPO = procs.REPO
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def service_env(home: Path, **values) -> dict[str, str]:

@@ -17,7 +17,7 @@ import redis
 from nightshift.api.rate_limits import Bucket, KeyProjects, LocalLimiter, RateLimits, RedisLimiter, duration
 from nightshift.settings import Settings
 
-from .api_fixtures import Service, free_port, make_key, new_bucket, openai_client, s3_env, service_env
+from .api_fixtures import Service, free_port, make_key, new_bucket, openai_client, s3_env, service_env, wait_http
 from .celery_procs import redis_db_url
 
 REDIS_DB = 8   # the limiter's buckets and the API's broker; apart from the other files' databases
@@ -86,18 +86,13 @@ def limited_api(pg_url, s3_server, tmp_path):
                       **s3_env(s3_server, new_bucket(s3_server)))
     service = Service(env, tmp_path)
     port = free_port()
-    service.start("api", ["python", "-m", "uvicorn", "nightshift.api.app:create_app", "--factory", "--workers", "2",
-                          "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
+    api = service.start("api", ["python", "-m", "uvicorn", "nightshift.api.app:create_app", "--factory", "--workers",
+                                "2", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, service.log("api")
-            time.sleep(0.2)
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", api)
+        except (RuntimeError, TimeoutError) as exc:
+            raise AssertionError(f"{exc}\n{service.log('api')}") from None
         yield f"http://127.0.0.1:{port}/v1", pg_url
     finally:
         service.stop()
@@ -158,17 +153,12 @@ def test_the_embedded_default_limits_in_process(tmp_path, sqlite_db):
     service = Service(env, tmp_path)
     try:
         # the API as the embedded default runs it: one process, SQLite, the filesystem broker
-        service.start("serve", ["python", "-m", "uvicorn", "nightshift.api.app:create_app", "--factory", "--host",
-                                "127.0.0.1", "--port", str(port), "--log-level", "warning"])
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, service.log("serve")
-            time.sleep(0.2)
+        serve = service.start("serve", ["python", "-m", "uvicorn", "nightshift.api.app:create_app", "--factory",
+                                        "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"])
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", serve)
+        except (RuntimeError, TimeoutError) as exc:
+            raise AssertionError(f"{exc}\n{service.log('serve')}") from None
         key = make_key(sqlite_db, "embedded")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", headers={"Authorization": f"Bearer {key}"}) as http:
             statuses = [http.get("/batches").status_code for _ in range(5)]
