@@ -105,24 +105,27 @@ def test_only_bfloat16_pools_with_whole_dim_pairs_are_supported():
 
 
 @needs_kernel
-def test_the_backend_takes_decode_rows_through_the_paged_kernel_and_chunks_as_tiles(monkeypatch):
-    """A mixed step's metadata: the decode rows first, then one run per prefill chunk; its output
-    within the roundings of the paged kernel on every row, the decode rows exactly its."""
+def test_the_backend_takes_decode_rows_and_short_chunks_through_the_paged_kernel_and_longer_chunks_as_tiles(
+        monkeypatch):
+    """A mixed step's metadata: the decode rows first, then the chunks shorter than TILE_MIN_ROWS,
+    then one run per longer chunk; its output within the roundings of the paged kernel on every
+    row, the paged rows exactly its."""
     from nightshift.engine.model_config import ModelConfig
     from nightshift.engine.step import StepItem
     config = ModelConfig(architecture="llama", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
                          head_dim=64, intermediate_size=64, vocab_size=100, rms_norm_eps=1e-5, rope_theta=1e4,
                          max_position_embeddings=512, tie_word_embeddings=True)
     backend = cpu_kernel_backend.CpuKernelAttention(config, 16, torch.float32, torch.device("cpu"))
-    items = [StepItem(list(range(20)), 0, [0, 1]), StepItem([5], 40, [2, 3, 4]), StepItem(list(range(3)), 17, [5, 6]),
-             StepItem([9], 3, [7])]
+    short = cpu_kernel_backend.TILE_MIN_ROWS - 1
+    items = [StepItem(list(range(20)), 0, [0, 1]), StepItem([5], 40, [2, 3, 4]),
+             StepItem(list(range(short)), 17, [5, 6]), StepItem([9], 3, [7]), StepItem(list(range(18)), 30, [8, 9, 10])]
     meta = backend.build_metadata(items)
     rows = meta.rows
-    assert meta.item_order == [1, 3, 0, 2] and rows.num_decode == 2
-    assert rows.runs.tolist() == [[2, 20], [22, 3]]
+    assert meta.item_order == [1, 3, 2, 0, 4] and rows.num_paged == 2 + short
+    assert rows.runs.tolist() == [[2 + short, 20], [22 + short, 18]]
     g = torch.Generator().manual_seed(2)
-    k_cache = torch.randn(8, 16, 3, 64, generator=g).bfloat16()
-    v_cache = torch.randn(8, 16, 3, 64, generator=g).bfloat16()
+    k_cache = torch.randn(11, 16, 3, 64, generator=g).bfloat16()
+    v_cache = torch.randn(11, 16, 3, 64, generator=g).bfloat16()
     q = torch.randn(rows.num_rows, 9, 64, generator=g)
     calls = []
     tiles = cpu_prefill_attention.prefill_attention
@@ -130,7 +133,8 @@ def test_the_backend_takes_decode_rows_through_the_paged_kernel_and_chunks_as_ti
     out = backend.forward(q, None, None, k_cache, v_cache, meta, 0.125)
     assert calls == [1]
     paged = cpu_paged_attention.paged_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125)
-    assert torch.equal(out[:2], paged[:2])
+    assert torch.equal(out[:rows.num_paged], paged[:rows.num_paged])
+    assert not torch.equal(out[rows.num_paged:], paged[rows.num_paged:])
     assert (out - paged).abs().max().item() < 1e-3
     check_against_reference(out, q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125, False)
 

@@ -34,9 +34,9 @@ Prefill chunks as tiles: over a bfloat16 pool on a CPU with AVX-512 BF16 (and wi
 prefix path above for the step; sliding windows included, soft-capping not), every prefill chunk's
 rows (a run: one sequence's rows, after the step's decode rows) go to
 kernels/cpu_prefill_attention.py, 16 rows of a query head a register tile, with the paged kernel's
-roundings; the decode rows stay on the paged kernel. A prompt row's result then depends on whether
-its chunk is a prefill chunk (one new token after cached ones is a decode row), not on the other
-rows. On a 2-core Zen 5, `bench.runner`'s 1,024-token chunk over 1,024 cached: 612.6-700.7 ->
+roundings; the decode rows and chunks of fewer than TILE_MIN_ROWS rows stay on the paged kernel. A
+prompt row's result then depends on its chunk's length (where a long prompt's chunks end depends on
+the step's token budget, so on the batch), never on the other rows' values. On a 2-core Zen 5, `bench.runner`'s 1,024-token chunk over 1,024 cached: 612.6-700.7 ->
 448.0-468.9 ms. NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
 """
 from __future__ import annotations
@@ -59,8 +59,8 @@ class KernelRows:
     block_tables: torch.Tensor              # [num_rows, width] int32: each row's sequence's blocks, zero-padded
     context_lens: torch.Tensor              # [num_rows] int32: positions the row attends to (itself included)
     prefix_blocks: Optional[torch.Tensor] = None   # [k] int32: blocks every row starts with (shared_prefix)
-    num_decode: int = 0                     # the first rows: one decode item each
-    runs: Optional[torch.Tensor] = None     # [k, 2] int64: first row and rows of each prefill chunk after them
+    num_paged: int = 0                      # the first rows: decode rows, then chunks too short for tiles
+    runs: Optional[torch.Tensor] = None     # [k, 2] int64: first row and rows of each longer chunk after them
 
 
 @dataclass
@@ -72,6 +72,11 @@ class CpuKernelMetadata(StepMetadata):
 # Xeon, 2 threads, ad hoc: 64 rows x 208 prefix positions 1.10x, 256 x 64 1.00x, 32 x 208 0.94x)
 PREFIX_MIN_ROWS = 48
 PREFIX_MIN_POSITIONS = 128
+# A prefill chunk of fewer rows than this stays on the paged kernel: a tile of 16 lanes with few
+# rows in it, and the chunk's V interleaved for them alone, cost more than the rows one by one (2-core
+# Zen 5, ad hoc, chunks after 260 cached positions, paged kernel / tiles: 256 chunks of 1 row 1.9 /
+# 9.8 ms, 200 of 4 rows 2.9 / 7.9, 100 of 8 2.1 / 3.6, 64 of 16 2.09 / 1.82, 32 of 32 2.01 / 1.40)
+TILE_MIN_ROWS = 16
 
 
 def shared_prefix(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> Optional[torch.Tensor]:
@@ -90,7 +95,10 @@ class CpuKernelAttention(AttentionBackend):
     def build_metadata(self, items: Sequence[StepItem]) -> CpuKernelMetadata:
         decode = decode_indices(items)
         decode_set = set(decode)
-        order = decode + [i for i in range(len(items)) if i not in decode_set]
+        chunks = [i for i in range(len(items)) if i not in decode_set]
+        # decode rows, then the chunks too short for tiles (all on the paged kernel), then the others
+        short = [i for i in chunks if len(items[i].token_ids) < TILE_MIN_ROWS]
+        order = decode + short + [i for i in chunks if len(items[i].token_ids) >= TILE_MIN_ROWS]
         meta = CpuKernelMetadata(item_order=order, slot_mapping=torch.empty(0, dtype=torch.long))
         if not items:
             return meta
@@ -103,9 +111,10 @@ class CpuKernelAttention(AttentionBackend):
         meta.slot_mapping = pool_slots(tables, positions[:, None], self.block_size).view(-1).to(self.device)
         tables, lens = tables.to(torch.int32), (positions + 1).to(torch.int32)
         prefix = shared_prefix(tables, lens, self.block_size) if cpu_prefix_attention.load() is not None else None
-        chunks = len(order) - len(decode)       # the prefill chunks, each a run of rows after the decode rows
-        runs = torch.stack([first_row, counts], dim=1)[len(decode):] if chunks else None
-        meta.rows = KernelRows(rows, tables, lens, prefix, len(decode), runs)   # no AMX: no prefix kernel to look for
+        paged = len(decode) + len(short)        # items on the paged kernel; each later one a run of rows
+        runs = torch.stack([first_row, counts], dim=1)[paged:] if paged < len(order) else None
+        num_paged = int(counts[:paged].sum())
+        meta.rows = KernelRows(rows, tables, lens, prefix, num_paged, runs)   # no AMX: no prefix kernel to look for
         return meta
 
     def store_kv(self, k_cache, v_cache, k, v, meta: CpuKernelMetadata) -> None:
@@ -136,10 +145,10 @@ class CpuKernelAttention(AttentionBackend):
 
     @staticmethod
     def _prefill_tiles(q, k_cache, v_cache, rows: KernelRows, scale: float, window: Optional[int]) -> torch.Tensor:
-        """The decode rows (the first ``num_decode``) through the paged kernel, every prefill
-        chunk's rows as tiles (kernels/cpu_prefill_attention.py)."""
+        """The first ``num_paged`` rows (decode rows, short chunks) through the paged kernel, every
+        other prefill chunk's rows as tiles (kernels/cpu_prefill_attention.py)."""
         out = torch.empty_like(q)
-        d = rows.num_decode
+        d = rows.num_paged
         if d:
             out[:d] = cpu_paged_attention.paged_attention(q[:d], k_cache, v_cache, rows.block_tables[:d],
                                                           rows.context_lens[:d], scale, window=window)
