@@ -5,9 +5,9 @@ The rows of one sequence's prefill chunk all read the same K/V blocks. The paged
 dot product is summed across the vector's lanes (a transposing reduction), about a third of its
 work, and its `vdpbf16ps` run at ~35% of what oneDNN's bf16 GEMMs reach on the same cores. Here a
 register tile holds 16 rows of a query head, one row per lane, so nothing is summed across lanes:
-the scores of 4 positions at a time are `vdpbf16ps` of the 16 rows' query dim pairs against each
-position's K dim pair broadcast straight from the pool (one broadcast for up to three query heads
-of its KV head); the softmax runs on those vectors (each lane its row's maximum, exponentials and
+the scores of 4-12 positions at a time are `vdpbf16ps` of the 16 rows' query dim pairs against
+each position's K dim pair broadcast straight from the pool (one broadcast for up to three query
+heads of its KV head, as the GQA group divides); the softmax runs on those vectors (each lane its row's maximum, exponentials and
 sum); the output, 16 dims at a time, is `vdpbf16ps`
 of the rows' probabilities for two positions against the two positions' V values of a dim,
 broadcast from a copy of the sequence's V for that KV head with position pairs interleaved (made
@@ -193,12 +193,13 @@ void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *
                        float scale, int64_t window, const int64_t *runs, int64_t nruns) {
     const int64_t H = KVH * GQ, row = KVH * HD;
     int64_t *voff = (int64_t *)malloc(sizeof(int64_t) * (nruns * KVH + 1));
+    int64_t *rlo = (int64_t *)malloc(sizeof(int64_t) * nruns);     /* each run's first position read */
     int64_t items = 0, words = 0, lmax = 0;
     for (int64_t r = 0; r < nruns; r++) {
         const int64_t L = lens[runs[2 * r] + runs[2 * r + 1] - 1];
         lmax = L > lmax ? L : lmax;
-        const int64_t lo = window_start(lens[runs[2 * r]], window);
-        for (int64_t h = 0; h < KVH; h++) { voff[r * KVH + h] = words; words += ((L + 1) / 2 - lo / 2) * HD; }
+        rlo[r] = window_start(lens[runs[2 * r]], window);
+        for (int64_t h = 0; h < KVH; h++) { voff[r * KVH + h] = words; words += ((L + 1) / 2 - rlo[r] / 2) * HD; }
         items += KVH * ((GQ + GC - 1) / GC) * ((runs[2 * r + 1] + LANES - 1) / LANES);
     }
     uint32_t *vi = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (words + 16));
@@ -216,8 +217,8 @@ void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *
         #pragma omp for schedule(dynamic)
         for (int64_t x = 0; x < nruns * KVH; x++) {
             const int64_t r = x / KVH, h = x % KVH, first = runs[2 * r];
-            interleave_v(v_cache, tables + first * tw, window_start(lens[first], window),
-                         lens[first + runs[2 * r + 1] - 1], bs, row, h, vi + voff[x]);
+            interleave_v(v_cache, tables + first * tw, rlo[r], lens[first + runs[2 * r + 1] - 1], bs, row, h,
+                         vi + voff[x]);
         }
         float *s = (float *)aligned_alloc(64, sizeof(float) * GC * lpad * LANES);
         uint32_t *pp = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * GC * (lpad / 2) * LANES);
@@ -227,11 +228,11 @@ void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *
             const int64_t first = runs[2 * r] + t, rows = runs[2 * r + 1] - t, left = (h + 1) * GQ - hg;
             tile(q, k_cache, vi + voff[r * KVH + h], tables + runs[2 * r] * tw, lens, out, first,
                  rows < LANES ? rows : LANES, H, hg, left < GC ? (int)left : GC, h, bs, row, scale, window,
-                 window_start(lens[runs[2 * r]], window), lpad, s, pp);
+                 rlo[r], lpad, s, pp);
         }
         free(s); free(pp);
     }
-    free(vi); free(work); free(voff);
+    free(vi); free(work); free(voff); free(rlo);
 }
 """
 FLAGS = [*OPTIMIZE, "-ffast-math"]
