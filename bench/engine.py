@@ -18,7 +18,11 @@ of CPU kernel, and the seconds its decode steps' own K/V reads alone take at thi
 read rate, with the share of the run the matmul floor could at most be beside them (bench/cpu_time.py).
 On CUDA (--device, default auto) it also prints decode MBU and prefill MFU of the engine's runner
 (bench/roofline_bench.py; on CPU only with --peak-bandwidth/--peak-flops). --dummy-weights NAME
-runs random weights of a Llama shape (llama-1b, llama-8b) in both our engine and the HF baseline.
+runs random weights in both our engine and the HF baseline: a Llama shape (llama-1b, llama-8b;
+bench/dummy_weights.py), or another family's small realistic layout (qwen3-small, gemma2-small,
+gemma3-small, phi3-small, olmoe-small, mixtral-small, qwen3-moe-small, qwen2-moe-small;
+bench/random_hf_models.py), written for the run as a Hugging Face folder into a temporary
+directory and run as `--model FOLDER` would be (HF's side: transformers' own class of it).
 
 --structured runs the same workload a second time in the same process with a JSON schema on
 every request (STRUCTURED_SCHEMA: an extraction object whose summary is long enough that every
@@ -31,6 +35,7 @@ import argparse
 import os
 import platform
 import random
+import tempfile
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -40,8 +45,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from bench import random_hf_models
 from bench.cpu_time import KernelClock, KvReadBound, kv_read_bound
-from bench.dummy_weights import DummyCheckpoint, dummy_engine
+from bench.dummy_weights import DUMMY_SHAPES, DummyCheckpoint, dummy_engine
 from bench.peers import PeerResult, available, ct2_results, llamacpp_results, parse_peers, token_text
 from bench.peers import describe as describe_peer
 from bench.roofline import DevicePeak, device_peak
@@ -351,8 +357,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
-    parser.add_argument("--dummy-weights", metavar="NAME", help="random weights of a Llama shape (llama-1b, "
-                        "llama-8b, llama-tiny; bench/dummy_weights.py) instead of --model, default tokenizer")
+    parser.add_argument("--dummy-weights", metavar="NAME", choices=[*DUMMY_SHAPES, *random_hf_models.SHAPES],
+                        help="random weights instead of --model, the default tokenizer: a Llama shape ("
+                             f"{', '.join(DUMMY_SHAPES)}; bench/dummy_weights.py) or another family's layout "
+                             f"({', '.join(random_hf_models.SHAPES)}; bench/random_hf_models.py, written to a "
+                             "temporary Hugging Face folder for the run)")
     parser.add_argument("--tokenizer", default="default", help="with --dummy-weights: the tokenizer's model, or "
                         "a directory written by Tokenizer.save (default: the default model's)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda (engine and HF baseline)")
@@ -391,7 +400,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace, log=print) -> BenchReport:
-    """The whole benchmark; each section is logged as soon as it is measured."""
+    """The whole benchmark; each section is logged as soon as it is measured. A --dummy-weights
+    family of bench/random_hf_models.py is written to a temporary folder, run as --model, and
+    removed after."""
+    if args.dummy_weights not in random_hf_models.SHAPES:
+        return _run(args, log)
+    with tempfile.TemporaryDirectory(prefix=f"nightshift-{args.dummy_weights}-") as tmp:
+        folder = random_hf_models.write_random_folder(args.dummy_weights, Path(tmp) / args.dummy_weights, args.seed)
+        log(f"random weights: {args.dummy_weights} (bench/random_hf_models.py, seed {args.seed}) in {folder}")
+        return _run(argparse.Namespace(**{**vars(args), "model": str(folder), "dummy_weights": None,
+                                          "random_family": args.dummy_weights}), log)
+
+
+def _run(args: argparse.Namespace, log) -> BenchReport:
     num_requests = args.num_requests or (32 if args.quick else 256)
     output_len = args.output_len or (32 if args.quick else 128)
     hf_sizes = [int(x) for x in (args.hf_batch_sizes or ("1,8,32" if args.quick else "1,8,32,64")).split(",")]
@@ -471,7 +492,7 @@ def run(args: argparse.Namespace, log=print) -> BenchReport:
         elif peer.startswith("hf-"):
             report.peers += hf_results(args, peer.removeprefix("hf-"), dummy_config, tokenizer, prompts, output_len,
                                        hf_sizes, device, log)
-        elif args.dummy_weights or device != "cpu":
+        elif args.dummy_weights or getattr(args, "random_family", None) or device != "cpu":
             log(f"\n== {peer}: not run (CPU and the real model only) ==")
         elif peer == "ct2":
             log("\n== CTranslate2 generate_batch (greedy, static batches) ==")
