@@ -3,7 +3,8 @@
 
 `KernelClock` times the run's calls into the CPU kernels' Python entry points (wall time inside
 each call, summed per kind): the linear layers and LM head (`cpu_gemm.linear`; an LM head on a
-GGUF's Q8_0 blocks, `Q8Head`, apart), attention over each row's own positions
+GGUF's Q8_0 blocks, `Q8Head`, and an INT4 model's layers on our kernels, W4A8 or 4-bit x bf16,
+apart), attention over each row's own positions
 (`cpu_paged_attention`), a step's shared prefix on AMX tiles (`cpu_prefix_attention`), prefill
 chunks as tiles (`cpu_prefill_attention`) and the fused layer's small ops (`cpu_fused_ops`). The
 rest of the run is everything else: scheduling, sampling, Python, torch ops outside these kernels, and the small
@@ -33,6 +34,8 @@ from nightshift.engine.layers import cpu_gemm
 from nightshift.engine.layers.q8_head import Q8Head
 from nightshift.engine.layers.cpu_gemm import best_seconds
 from nightshift.engine.model_config import ModelConfig
+from nightshift.engine.quant.cpu_w4_bf16 import W4Bf16Weight
+from nightshift.engine.quant.cpu_w4a8 import W4A8Weight
 
 # (module or class, entry point, what it is): every call the CPU path makes into these goes
 # through the module's (or class's) attribute, so replacing the attribute times them all
@@ -40,6 +43,8 @@ ENTRY_POINTS = (
     (cpu_gemm, "linear", "linear layers and LM head"),
     (Q8Head, "linear", "LM head on Q8_0 blocks"),
     (Q8Head, "linear_int8", "LM head on Q8_0 blocks"),
+    (W4A8Weight, "linear", "INT4 linear layers (W4A8)"),
+    (W4Bf16Weight, "linear", "INT4 linear layers (4-bit x bf16)"),
     (cpu_paged_attention, "paged_attention", "attention, rows' own positions"),
     (cpu_paged_attention, "paged_attention_after_prefix", "attention, rows' own positions"),
     (cpu_prefix_attention, "prefix_attention", "attention, shared prefix (AMX)"),

@@ -94,3 +94,24 @@ def test_the_clock_times_an_lm_head_on_q8_0_blocks_as_its_own_kind():
             head.linear_int8(torch.randn(2, 32))
     assert (Q8Head.linear, Q8Head.linear_int8) == original
     assert clock.calls == {"LM head on Q8_0 blocks": 2}
+
+
+def test_the_clock_times_an_int4_models_layers_on_our_kernels_as_their_own_kind():
+    from nightshift.engine.quant import cpu_w4_bf16, cpu_w4a8
+    from nightshift.engine.quant.format import quantize_rtn
+
+    weight = quantize_rtn(torch.randn(64, 64, generator=torch.Generator().manual_seed(0)), 32, clip_search=False)
+    clock = cpu_time.KernelClock()
+    x = torch.randn(4, 64).bfloat16()
+    with clock.running():
+        if cpu_w4a8.available():
+            cpu_w4a8.W4A8Weight(weight).linear(x)
+        if cpu_w4_bf16.available():
+            cpu_w4_bf16.W4Bf16Weight(weight).linear(x)
+    expected = {}
+    if cpu_w4a8.available():
+        expected["INT4 linear layers (W4A8)"] = 1
+    if cpu_w4_bf16.available():
+        expected["INT4 linear layers (4-bit x bf16)"] = 1
+    assert clock.calls == expected and expected      # this CI machine has AVX2 at least
+    assert "timed" not in cpu_w4a8.W4A8Weight.linear.__qualname__
