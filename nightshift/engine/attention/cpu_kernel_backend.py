@@ -33,11 +33,13 @@ step's row count). NIGHTSHIFT_CPU_PREFIX_ATTENTION=0 turns it off.
 Prefill chunks as tiles: over a bfloat16 pool on a CPU with AVX-512 BF16 (and without the AMX
 prefix path above for the step; sliding windows included, soft-capping not), every prefill chunk's
 rows (a run: one sequence's rows, after the step's decode rows) go to
-kernels/cpu_prefill_attention.py, 16 rows of a query head a register tile, with the paged kernel's
-roundings; the decode rows and chunks of fewer than TILE_MIN_ROWS rows stay on the paged kernel. A
-prompt row's result then depends on its chunk's length (where a long prompt's chunks end depends on
-the step's token budget, so on the batch), never on the other rows' values. On a 2-core Zen 5, `bench.runner`'s 1,024-token chunk over 1,024 cached: 612.6-700.7 ->
-448.0-468.9 ms. NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
+kernels/cpu_prefill_attention.py, 16 rows of a query head a register tile; the decode rows and
+chunks of fewer than TILE_MIN_ROWS rows (where tiles measured no faster) stay on the paged kernel.
+The tiles give each row the paged kernel's bits, so the choice (which follows a chunk's length, so
+the step's token budget and the batch) changes no result: a row's result depends on that row alone.
+On a 2-core Zen 5, `bench.runner`'s 1,024-token chunk over 1,024 cached: 612.6-700.7 -> 448.0-468.9 ms
+(the first tiles, whose sums were in their own order; README). NIGHTSHIFT_CPU_PREFILL_ATTENTION=0
+turns it off.
 """
 from __future__ import annotations
 
@@ -73,9 +75,10 @@ class CpuKernelMetadata(StepMetadata):
 PREFIX_MIN_ROWS = 48
 PREFIX_MIN_POSITIONS = 128
 # A prefill chunk of fewer rows than this stays on the paged kernel: a tile of 16 lanes with few
-# rows in it, and the chunk's V interleaved for them alone, cost more than the rows one by one (2-core
-# Zen 5, ad hoc, chunks after 260 cached positions, paged kernel / tiles: 256 chunks of 1 row 1.9 /
-# 9.8 ms, 200 of 4 rows 2.9 / 7.9, 100 of 8 2.1 / 3.6, 64 of 16 2.09 / 1.82, 32 of 32 2.01 / 1.40)
+# rows in it, and the chunk's V interleaved for them alone, cost more than the rows one by one (the
+# same bits either way; 2-core Zen 5, ad hoc, chunks after 260 cached positions, paged kernel /
+# tiles: 256 chunks of 1 row 1.7-1.8 / 11.8 ms, 200 of 4 rows 3.2 / 9.2-9.6, 100 of 8 2.0 / 4.0, 64 of
+# 12 1.6 / 1.8, 64 of 16 2.15-2.26 / 1.98-2.39, 32 of 32 2.1 / 1.53-1.56)
 TILE_MIN_ROWS = 16
 
 
@@ -138,7 +141,8 @@ class CpuKernelAttention(AttentionBackend):
                 q, k_cache, v_cache, rows.block_tables, rows.context_lens, scale,
                 rows.prefix_blocks.numel() * self.block_size, out, lse)
         if (rows.runs is not None and softcap is None
-                and cpu_prefill_attention.supports(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.dtype)):
+                and cpu_prefill_attention.supports(q.shape[1], k_cache.shape[2], q.shape[2], k_cache.dtype,
+                                                  k_cache.shape[1])):
             return self._prefill_tiles(q, k_cache, v_cache, rows, scale, window)
         return cpu_paged_attention.paged_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens, scale,
                                                    window=window, softcap=softcap)

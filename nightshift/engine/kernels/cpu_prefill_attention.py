@@ -4,34 +4,39 @@ The rows of one sequence's prefill chunk all read the same K/V blocks. The paged
 (kernels/cpu_paged_attention.py) takes them one row at a time: per row and KV head each position's
 dot product is summed across the vector's lanes (a transposing reduction), about a third of its
 work, and its `vdpbf16ps` run at ~35% of what oneDNN's bf16 GEMMs reach on the same cores. Here a
-register tile holds 16 rows of a query head, one row per lane, so nothing is summed across lanes:
-the scores of 4-12 positions at a time are `vdpbf16ps` of the 16 rows' query dim pairs against
-each position's K dim pair broadcast straight from the pool (one broadcast for up to three query
-heads of its KV head, as the GQA group divides); the softmax runs on those vectors (each lane its row's maximum, exponentials and
-sum); the output, 16 dims at a time, is `vdpbf16ps`
+register tile holds 16 rows of a query head, one row per lane: the scores of two positions at a
+time are `vdpbf16ps` of the 16 rows' query dim pairs against each position's K dim pair broadcast
+straight from the pool (one broadcast for up to three query heads of its KV head, as the GQA group
+divides; each query vector loaded once for the step's positions); the softmax runs on those vectors
+(each lane its row's maximum, exponentials and sum); the output, 16 dims at a time, is `vdpbf16ps`
 of the rows' probabilities for two positions against the two positions' V values of a dim,
 broadcast from a copy of the sequence's V for that KV head with position pairs interleaved (made
 once per call and KV head, shared by all the chunk's tiles).
 
-The roundings are the paged kernel's with bfloat16 products (its DOT_BF16): the scaled query and
-the unnormalized probabilities rounded to bfloat16, K and V as stored, the products and the
-softmax sum in float32; only the order of the float32 sums differs (results within ~1e-6). Each
-lane's arithmetic is its row's alone (positions past a row's length get probability 0, adding
-exact zeros), so a row's result does not depend on the other rows of its tile, its chunk or its
-step. A sliding window masks the positions before each row's window and reads nothing before the
-run's first row's (those blocks may have been given back). Only over a bfloat16 pool on a CPU with
-AVX-512 BF16, head dims a multiple of 32 (``supports``); no soft-capping (the backend keeps such
-layers on the paged kernel); NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
+**A row gets the paged kernel's bits.** The same roundings (the scaled query and the unnormalized
+probabilities rounded to bfloat16, K and V as stored, float32 sums) and the same order of every
+float32 sum: each score is summed as the paged kernel's lanes and transposing reduction sum it (lane
+l the dim pairs l, l + 16, ...; then its tree over the 16 lanes), the softmax total as its 16 lane
+sums and their reduction tree, the output over position pairs in order as its value pass does
+(`vdpbf16ps` gives the same products either way round). Compiled without -ffast-math, so that
+the compiler keeps the sums in the order written. So whether a chunk goes here or to the paged
+kernel (the backend decides by the chunk's length, so by the batch) never changes a bit, and a
+row's result depends on that row alone. Only for even block sizes: the paged kernel pairs positions
+within a block. A sliding window masks the positions before each row's window and reads nothing
+before the run's first row's (those blocks may have been given back). Only over a bfloat16 pool on
+a CPU with AVX-512 BF16, head dims a multiple of 32 (``supports``); no soft-capping (the backend
+keeps such layers on the paged kernel); NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
 
 Measured (ad hoc, a 2-core AMD EPYC Zen 5, AVX-512 with avx512_bf16, 2 threads, the default
 model's 9 query heads over 3 KV heads of 64, blocks of 16, the pool in cache), the paged kernel
 against the tiles: the standard workload's prefill step (16 chunks of 57 rows after 208 cached
-positions) 1.65 -> 1.06 ms, a fresh 1,024-token prompt 4.01 -> 1.96 ms, 1,024 rows after 1,024
-cached 13.4 -> 5.9 ms (~310 G multiply-adds a second, 2/3 of oneDNN's bf16 GEMMs on these cores),
-512 rows after 3,584 17.1 -> 7.6 ms. One tile took the query heads one at a time at first (each K
-value broadcast once per head): 1.21 / 2.34 / 7.33 / 9.20 ms; sharing the broadcast across the
-three heads of a KV head made the score pass, the slower half, ~1.6x faster. `python -m
-bench.runner`'s prefill chunk of 1,024 tokens over 1,024 cached: 700.7 -> 468.9 ms (README).
+positions) 1.55-1.78 -> 1.20-1.30 ms, a fresh 1,024-token prompt 3.55-3.89 -> 2.27-2.38 ms, 1,024 rows
+after 1,024 cached 11.6-12.2 -> 6.8-7.2 ms, 512 rows after 3,584 15.5-16.6 -> 8.6-8.8 ms, 32 chunks
+of 32 rows after 260 2.0-2.4 -> 1.47-1.54 ms, 64 chunks of 16 after 260 2.1-2.8 -> 1.9-2.5 ms. The
+first tiles summed each score over the dim pairs in turn and the softmax total over the positions
+in turn (their own order: within ~1e-6 of the paged kernel, not its bits) and were ~15% faster
+(1,024 after 1,024: 6.0-6.4 ms); one query head per tile at first (each K value broadcast once per
+head), 7.33 ms there.
 """
 from __future__ import annotations
 
@@ -55,16 +60,16 @@ SOURCE = r"""
 """ + EXP16_AVX512 + r"""
 #define LANES 16          /* rows of one tile: one per lane */
 /* query heads of one KV head a tile takes at once (GC, a divisor of the group GQ where one is small)
-   and positions of one score step (POS): 12 accumulators in registers either way */
+   and positions of one score step (SP, even): six (head, position) sums at a time either way */
 #if GQ % 3 == 0
 #define GC 3
-#define POS 4
+#define SP 2
 #elif GQ % 2 == 0
 #define GC 2
-#define POS 6
+#define SP 4
 #else
 #define GC 1
-#define POS 12
+#define SP 6
 #endif
 #define PAIRS (HD / 2)
 
@@ -98,6 +103,62 @@ static void interleave_v(const uint16_t *v_cache, const int32_t *tab, int64_t lo
     }
 }
 
+/* The scores of SP positions (kp: each one's K dim pairs) for the GC query heads of a tile (qt: their
+   scaled query dim pairs, one row a lane), each sum in the paged kernel's order
+   (kernels/cpu_paged_attention.py, DOT_BF16), so a row gets the paged kernel's bits: its lane l takes
+   the `vdpbf16ps` of dim pairs l, l + 16, ... in turn, and the 16 lanes are summed in the tree of its
+   transposing reduction (fold4, then sum16_last): ((a0 + a2) + (a1 + a3)) within each group of four
+   lanes, then (S0 + S1) + (S2 + S3) across the groups. Lanes go two at a time (x = a0 + a2, then
+   y = a1 + a3) for every head and position, so each query vector is loaded once for the SP positions
+   and each K pair broadcast once for the GC heads. */
+static inline __attribute__((always_inline)) void lanes2(const uint32_t qt[GC][PAIRS * LANES],
+                                                        const uint32_t *const kp[SP], int l1, int l2,
+                                                        __m512 x[GC][SP]) {
+    __m512 a1[GC][SP], a2[GC][SP];
+    for (int g = 0; g < GC; g++)
+        for (int j = 0; j < SP; j++) a1[g][j] = a2[g][j] = _mm512_setzero_ps();
+    for (int v = 0; v < HD / 32; v++) {
+        __m512bh q1[GC], q2[GC];
+        for (int g = 0; g < GC; g++) {
+            q1[g] = (__m512bh)_mm512_load_si512((const void *)(qt[g] + (16 * v + l1) * LANES));
+            q2[g] = (__m512bh)_mm512_load_si512((const void *)(qt[g] + (16 * v + l2) * LANES));
+        }
+        for (int j = 0; j < SP; j++) {
+            const __m512bh k1 = (__m512bh)_mm512_set1_epi32((int)kp[j][16 * v + l1]);
+            const __m512bh k2 = (__m512bh)_mm512_set1_epi32((int)kp[j][16 * v + l2]);
+            for (int g = 0; g < GC; g++) {
+                a1[g][j] = _mm512_dpbf16_ps(a1[g][j], q1[g], k1);
+                a2[g][j] = _mm512_dpbf16_ps(a2[g][j], q2[g], k2);
+            }
+        }
+    }
+    for (int g = 0; g < GC; g++)
+        for (int j = 0; j < SP; j++) x[g][j] = _mm512_add_ps(a1[g][j], a2[g][j]);
+}
+static inline __attribute__((always_inline)) void dots(const uint32_t qt[GC][PAIRS * LANES],
+                                                      const uint32_t *const kp[SP], __m512 sc[GC][SP]) {
+    __m512 grp[4][GC][SP];
+    for (int k = 0; k < 4; k++) {
+        __m512 x[GC][SP], y[GC][SP];
+        lanes2(qt, kp, 4 * k, 4 * k + 2, x);
+        lanes2(qt, kp, 4 * k + 1, 4 * k + 3, y);
+        for (int g = 0; g < GC; g++)
+            for (int j = 0; j < SP; j++) grp[k][g][j] = _mm512_add_ps(x[g][j], y[g][j]);
+    }
+    for (int g = 0; g < GC; g++)
+        for (int j = 0; j < SP; j++)
+            sc[g][j] = _mm512_add_ps(_mm512_add_ps(grp[0][g][j], grp[1][g][j]), _mm512_add_ps(grp[2][g][j], grp[3][g][j]));
+}
+
+/* 16 partial sums -> their total in the tree of the paged kernel's `_mm512_reduce_add_ps` (GCC's):
+   halves, quarters, then (0 + 2) + (1 + 3) */
+static inline __m512 sum16(const __m512 part[16]) {
+    __m512 h[8], q[4];
+    for (int i = 0; i < 8; i++) h[i] = _mm512_add_ps(part[8 + i], part[i]);
+    for (int i = 0; i < 4; i++) q[i] = _mm512_add_ps(h[4 + i], h[i]);
+    return _mm512_add_ps(_mm512_add_ps(q[0], q[2]), _mm512_add_ps(q[1], q[3]));
+}
+
 /* One tile: rows first .. first + m - 1 (m <= 16) of one run, the query heads hg0 .. hg0 + gc - 1
    (gc <= GC) of KV head h: each K value broadcast once for all of them. s, pp: the thread's buffers
    for GC heads' scores [Lpad][16] and probability pairs [Lpad / 2][16]. */
@@ -118,37 +179,28 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
     }
     const int64_t L = lens[first + m - 1];               /* the tile's longest row: the run's lens grow */
     const int64_t lo = window_start(lens[first], window);  /* the tile's first row's first position (even) */
-    const int64_t Lp = lo + (L - lo + POS - 1) / POS * POS;
+    const int64_t Lp = lo + (L - lo + SP - 1) / SP * SP;
     const __m512i lv = _mm512_load_si512((const void *)len);
     /* a lane's first position (a window: len - window; all: 0), for the mask */
     const __m512i fv = window > 0 ? _mm512_sub_epi32(lv, _mm512_set1_epi32((int)window)) : _mm512_set1_epi32(INT32_MIN);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     __m512 mx[GC];
     for (int g = 0; g < GC; g++) mx[g] = ninf;
-    for (int64_t t0 = lo; t0 < Lp; t0 += POS) {
-        const uint32_t *kp[POS];
-        for (int j = 0; j < POS; j++) {
+    for (int64_t t0 = lo; t0 < Lp; t0 += SP) {
+        const uint32_t *kp[SP];
+        for (int j = 0; j < SP; j++) {
             const int64_t t = t0 + j < L ? t0 + j : L - 1;      /* past the tile's rows: masked */
             kp[j] = (const uint32_t *)(k_cache + ((int64_t)tab[t / bs] * bs + t % bs) * row + h * HD);
         }
-        __m512 acc[GC][POS];
-        for (int g = 0; g < GC; g++)
-            for (int j = 0; j < POS; j++) acc[g][j] = _mm512_setzero_ps();
-        for (int p = 0; p < PAIRS; p++) {
-            __m512i kb[POS];
-            for (int j = 0; j < POS; j++) kb[j] = _mm512_set1_epi32((int)kp[j][p]);
-            for (int g = 0; g < GC; g++) {
-                const __m512bh qv = (__m512bh)_mm512_load_si512((const void *)(qt[g] + p * LANES));
-                for (int j = 0; j < POS; j++) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], qv, (__m512bh)kb[j]);
-            }
-        }
-        for (int j = 0; j < POS; j++) {        /* positions at or past a row's length or before its window: -inf */
+        __m512 sc[GC][SP];
+        dots(qt, kp, sc);
+        for (int j = 0; j < SP; j++) {   /* positions at or past a row's length or before its window: -inf */
             const __m512i tv = _mm512_set1_epi32((int)(t0 + j));
             const __mmask16 in = _mm512_cmpgt_epi32_mask(lv, tv) & _mm512_cmple_epi32_mask(fv, tv);
             for (int g = 0; g < GC; g++) {
-                const __m512 sc = _mm512_mask_mov_ps(ninf, in, acc[g][j]);
-                _mm512_store_ps(s + (g * lpad + t0 + j) * LANES, sc);
-                mx[g] = _mm512_max_ps(mx[g], sc);
+                const __m512 m = _mm512_mask_mov_ps(ninf, in, sc[g][j]);
+                _mm512_store_ps(s + (g * lpad + t0 + j) * LANES, m);
+                mx[g] = _mm512_max_ps(mx[g], m);
             }
         }
     }
@@ -157,16 +209,23 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
     for (int g = 0; g < gc; g++) {
         const float *sg = s + g * lpad * LANES;
         uint32_t *pg = pp + g * (lpad / 2) * LANES;
-        __m512 total = _mm512_setzero_ps();
-        for (int64_t t = lo; t < Lp; t += 2) {
-            const __m512 e0 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + t * LANES), mx[g]));
-            const __m512 e1 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + (t + 1) * LANES), mx[g]));
-            total = _mm512_add_ps(_mm512_add_ps(total, e0), e1);
-            const __m512i b0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
-            const __m512i b1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
-            _mm512_store_si512((void *)(pg + (t / 2) * LANES), _mm512_or_si512(b0, _mm512_slli_epi32(b1, 16)));
+        /* the sum as the paged kernel adds it: position t into part t % 16, then those 16 in its tree */
+        __m512 part[16];
+        for (int j = 0; j < 16; j++) part[j] = _mm512_setzero_ps();
+        for (int64_t c = lo & ~(int64_t)15; c < Lp; c += 16) {
+            for (int j = 0; j < 16; j += 2) {
+                const int64_t t = c + j;
+                if (t < lo || t >= Lp) continue;
+                const __m512 e0 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + t * LANES), mx[g]));
+                const __m512 e1 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + (t + 1) * LANES), mx[g]));
+                part[j] = _mm512_add_ps(part[j], e0);
+                part[j + 1] = _mm512_add_ps(part[j + 1], e1);
+                const __m512i b0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
+                const __m512i b1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
+                _mm512_store_si512((void *)(pg + (t / 2) * LANES), _mm512_or_si512(b0, _mm512_slli_epi32(b1, 16)));
+            }
         }
-        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), total);
+        const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum16(part));
         for (int d0 = 0; d0 < HD; d0 += 16) {
             __m512 acc[16];
             for (int d = 0; d < 16; d++) acc[d] = _mm512_setzero_ps();
@@ -211,7 +270,7 @@ void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *
                 for (int64_t c = 0; c < GQ; c += GC, w++) {
                     work[3 * w] = r; work[3 * w + 1] = t; work[3 * w + 2] = h * GQ + c;
                 }
-    const int64_t lpad = (lmax + POS - 1) / POS * POS + POS;
+    const int64_t lpad = (lmax + SP - 1) / SP * SP + SP;
     #pragma omp parallel
     {
         #pragma omp for schedule(dynamic)
@@ -235,7 +294,7 @@ void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *
     free(vi); free(work); free(voff); free(rlo);
 }
 """
-FLAGS = [*OPTIMIZE, "-ffast-math"]
+FLAGS = list(OPTIMIZE)      # no -ffast-math: the sums keep the order written (the paged kernel's)
 
 
 @functools.cache
@@ -254,10 +313,12 @@ def load(group: int = 3, head_dim: int = 64) -> Optional[ctypes.CDLL]:
     return lib
 
 
-def supports(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype) -> bool:
-    """Whether this CPU runs the kernel for this shape: a bfloat16 pool, head dims a multiple of 32."""
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, block_size: int) -> bool:
+    """Whether this CPU runs the kernel for this shape: a bfloat16 pool, head dims a multiple of 32,
+    an even block size (the paged kernel pairs a row's positions within a block; tiles pair them
+    from position 0: the same pairs only where blocks hold whole pairs)."""
     return (kv_dtype == torch.bfloat16 and num_heads % num_kv_heads == 0 and head_dim <= 256
-            and load(num_heads // num_kv_heads, head_dim) is not None)
+            and block_size % 2 == 0 and load(num_heads // num_kv_heads, head_dim) is not None)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -273,7 +334,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     _, block_size, kv_heads, _ = k_cache.shape
     if window is not None and window <= 0:
         raise ValueError(f"window must be positive, got {window}")
-    assert supports(heads, kv_heads, dim, k_cache.dtype) and v_cache.dtype == k_cache.dtype
+    assert supports(heads, kv_heads, dim, k_cache.dtype, block_size) and v_cache.dtype == k_cache.dtype
     assert q.dtype == out.dtype == torch.float32 and out.shape == q.shape and out.is_contiguous()
     assert tables.dtype == lens.dtype == torch.int32 and tables.is_contiguous() and lens.is_contiguous()
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
