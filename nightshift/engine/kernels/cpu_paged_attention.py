@@ -426,6 +426,8 @@ static void attention_rows(const float *q, const kv_t *k_cache, const kv_t *v_ca
                     _mm256_storeu_si256((__m256i *)(pb + hg * stride + t), (__m256i)_mm512_cvtneps_pbh(e));
 #endif
                     tv = _mm512_add_ps(tv, e);
+                    __asm__("" : "+v"(tv));   /* position t into lane t % 16, in order: -ffast-math may not
+                                                  re-associate it (the prefill tiles add in this order) */
                 }
                 total = _mm512_reduce_add_ps(tv);
 #else
