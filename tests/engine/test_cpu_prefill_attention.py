@@ -104,10 +104,75 @@ def test_a_row_does_not_depend_on_the_chunk_around_it():
     assert not torch.equal(whole[23], whole[22])
 
 
-def test_only_bfloat16_pools_with_whole_dim_pairs_and_even_blocks_are_supported():
-    assert not cpu_prefill_attention.supports(9, 3, 64, torch.float32, 16)
+def test_only_whole_dim_pairs_even_blocks_and_float_pools_are_supported():
     assert not cpu_prefill_attention.supports(6, 2, 48, torch.bfloat16, 16)
+    assert not cpu_prefill_attention.supports(6, 2, 48, torch.float32, 16)
     assert not cpu_prefill_attention.supports(9, 3, 64, torch.bfloat16, 5)      # the paged kernel's pairs differ
+    assert not cpu_prefill_attention.supports(9, 3, 64, torch.float16, 16)
+    with pytest.raises(ValueError):
+        cpu_prefill_attention.load(3, 64, torch.float16)
+
+
+needs_f32_kernel = pytest.mark.skipif(not cpu_prefill_attention.supports(9, 3, 64, torch.float32, 16),
+                                      reason="no AVX-512 on this CPU: the paged kernel attends prefill rows")
+
+
+@needs_f32_kernel
+@pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16),
+                                                             (6, 2, 64, 8), (8, 2, 64, 16)])
+def test_a_float32_pool_s_tiles_give_the_paged_kernel_s_float32_bits(heads, kv_heads, dim, block_size):
+    """Over a float32 pool (the float32 CPU math's) the tiles multiply in float32 as the paged
+    kernel's float32 form does (no bfloat16 rounding anywhere) and give its bits on every row,
+    chunk shape, window and long context; so the float32 path's results are those it always had."""
+    chunks = [(0, 1), (3, 5), (2 * block_size, 16), (7, 17), (0, 40), (block_size + 1, 40), (600, 20)]
+    q, k_cache, v_cache, tables, lens, runs = chunk_pool(heads, kv_heads, dim, block_size, chunks)
+    g = torch.Generator().manual_seed(5)
+    k_cache = k_cache.float() + torch.randn(k_cache.shape, generator=g) * 1e-2     # not bfloat16 values
+    v_cache = v_cache.float() + torch.randn(v_cache.shape, generator=g) * 1e-2
+    out = torch.zeros_like(q)
+    cpu_prefill_attention.prefill_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, runs, out)
+    assert torch.equal(out, cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5))
+    check_against_reference(out, q, k_cache, v_cache, tables, lens, dim ** -0.5, False)
+    for window in (5, 23):
+        out = torch.zeros_like(q)
+        cpu_prefill_attention.prefill_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, runs, out, window)
+        paged = cpu_paged_attention.paged_attention(q, k_cache, v_cache, tables, lens, dim ** -0.5, window=window)
+        assert torch.equal(out, paged)
+
+
+@needs_f32_kernel
+def test_over_a_float32_pool_the_backend_tiles_only_long_chunks_over_long_contexts(monkeypatch):
+    """A float32 pool's step: the runs of at least F32_TILE_MIN_ROWS rows whose last row reads at
+    least F32_TILE_MIN_CONTEXT positions go to the tiles, the other chunks' rows with the decode
+    rows to the paged kernel; every row the paged kernel's bits."""
+    from nightshift.engine.model_config import ModelConfig
+    from nightshift.engine.step import StepItem
+    config = ModelConfig(architecture="llama", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
+                         head_dim=64, intermediate_size=64, vocab_size=100, rms_norm_eps=1e-5, rope_theta=1e4,
+                         max_position_embeddings=2048, tie_word_embeddings=True)
+    backend = cpu_kernel_backend.CpuKernelAttention(config, 16, torch.float32, torch.device("cpu"))
+    wide, ctx = cpu_kernel_backend.F32_TILE_MIN_ROWS, cpu_kernel_backend.F32_TILE_MIN_CONTEXT
+    blocks = lambda first, n: list(range(first, first + n))  # noqa: E731
+    items = [StepItem([5], 40, blocks(0, 3)),                                  # a decode row
+             StepItem(list(range(wide)), ctx, blocks(3, 36)),                  # wide, long: tiles
+             StepItem(list(range(20)), ctx, blocks(39, 35)),                   # too few rows for float32 tiles
+             StepItem(list(range(wide + 8)), 10, blocks(74, 4))]               # too short a context
+    meta = backend.build_metadata(items)
+    rows = meta.rows
+    assert rows.runs.shape[0] == 3 and rows.f32_runs.tolist() == [[1, wide]]
+    assert rows.f32_paged.tolist() == [0, *range(1 + wide, rows.num_rows)]
+    g = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(78, 16, 3, 64, generator=g)
+    v_cache = torch.randn(78, 16, 3, 64, generator=g)
+    q = torch.randn(rows.num_rows, 9, 64, generator=g)
+    calls = []
+    tiles = cpu_prefill_attention.prefill_attention
+    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention",
+                        lambda *a: calls.append(a[6].tolist()) or tiles(*a))
+    out = backend.forward(q, None, None, k_cache, v_cache, meta, 0.125)
+    assert calls == [[[1, wide]]]
+    paged = cpu_paged_attention.paged_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125)
+    assert torch.equal(out, paged)
 
 
 @needs_kernel
@@ -201,3 +266,42 @@ def test_the_default_model_on_bf16_math_gives_the_same_logits_however_its_prompt
     calls.clear()
     assert torch.equal(tiled, run(True, split=7))
     assert len(calls) == 2 * model.config.num_layers      # the 7-row chunks on the paged kernel, the rest tiles
+
+
+@needs_f32_kernel
+@pytest.mark.slow
+def test_the_default_model_on_float32_math_gives_the_same_logits_with_float32_tiles(default_model_path,
+                                                                                   monkeypatch):
+    """The float32 CPU math (a float32 pool): a 512-token prompt and four 40-token continuations of
+    it prefilled over the cached prompt (both steps' chunks long enough for the float32 tiles), then
+    forced decode steps: the same logits, bit for bit, as with every row through the paged kernel."""
+    from nightshift.engine.loader import load_model
+    from nightshift.engine.model_runner import ModelRunner
+    from nightshift.engine.step import StepItem
+    model = load_model(default_model_path, dtype=torch.float32, cpu_math="float32")
+    g = torch.Generator().manual_seed(6)
+    rows, shared = 4, 32 * 16
+    prompt = torch.randint(100, 40000, (shared,), generator=g).tolist()
+    own = [torch.randint(100, 40000, (40,), generator=g).tolist() for _ in range(rows)]
+    forced = torch.randint(100, 40000, (rows, 3), generator=g).tolist()
+    calls = []
+    tiles = cpu_prefill_attention.prefill_attention
+    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", lambda *a: calls.append(1) or tiles(*a))
+
+    def run(tiled: bool) -> torch.Tensor:
+        runner = ModelRunner(model, num_kv_blocks=32 + rows * 4, block_size=16)
+        assert runner.kv_caches[0][0].dtype == torch.float32
+        tables = [list(range(32)) + [32 + 4 * i + j for j in range(4)] for i in range(rows)]
+        with monkeypatch.context() as patch:
+            if not tiled:
+                patch.setattr(cpu_prefill_attention, "supports", lambda *a: False)
+            steps = [runner.execute([StepItem(prompt, 0, tables[0])]),
+                     runner.execute([StepItem(o, shared, t) for o, t in zip(own, tables)])]
+            for step in range(3):
+                steps.append(runner.execute([StepItem([f[step]], shared + len(o) + step, t)
+                                             for f, o, t in zip(forced, own, tables)]))
+        return torch.cat(steps)
+
+    tiled = run(True)
+    assert len(calls) == 2 * model.config.num_layers
+    assert torch.equal(tiled, run(False))

@@ -30,15 +30,16 @@ probabilities as three bfloat16 parts; about 1e-6 from the row-by-row kernel), a
 then depend on whether its step shares the prefix (as the bf16 GEMMs on AMX already depend on the
 step's row count). NIGHTSHIFT_CPU_PREFIX_ATTENTION=0 turns it off.
 
-Prefill chunks as tiles: over a bfloat16 pool on a CPU with AVX-512 BF16 (and without the AMX
-prefix path above for the step; sliding windows included, soft-capping not), every prefill chunk's
-rows (a run: one sequence's rows, after the step's decode rows) go to
-kernels/cpu_prefill_attention.py, 16 rows of a query head a register tile; the decode rows and
-chunks of fewer than TILE_MIN_ROWS rows (where tiles measured no faster) stay on the paged kernel.
-The tiles give each row the paged kernel's bits, so the choice (which follows a chunk's length, so
+Prefill chunks as tiles: over a bfloat16 pool on a CPU with AVX-512 BF16, or a float32 pool on one
+with AVX-512 (and without the AMX prefix path above for the step; sliding windows included,
+soft-capping not), every prefill chunk's rows (a run: one sequence's rows, after the step's decode
+rows) go to kernels/cpu_prefill_attention.py, 16 rows of a query head a register tile; the decode
+rows and chunks of fewer than TILE_MIN_ROWS rows (where tiles measured no faster) stay on the paged
+kernel, and over a float32 pool the chunks of fewer than F32_TILE_MIN_ROWS rows or over contexts
+shorter than F32_TILE_MIN_CONTEXT positions too. The tiles give each row the paged kernel's bits, so the choice (which follows a chunk's length, so
 the step's token budget and the batch) changes no result: a row's result depends on that row alone.
-On a 2-core Zen 5, `bench.runner`'s 1,024-token chunk over 1,024 cached: 612.6-700.7 -> 448.0-468.9 ms
-(the first tiles, whose sums were in their own order; README). NIGHTSHIFT_CPU_PREFILL_ATTENTION=0
+On a 2-core Zen 5, `bench.runner`'s 1,024-token chunk over 1,024 cached: 564.1-568.8 -> 451.2-465.6 ms
+on the bf16 math, 1,152.7-1,170.7 -> 959.2-968.3 ms on the float32 math (README). NIGHTSHIFT_CPU_PREFILL_ATTENTION=0
 turns it off.
 """
 from __future__ import annotations
@@ -63,6 +64,10 @@ class KernelRows:
     prefix_blocks: Optional[torch.Tensor] = None   # [k] int32: blocks every row starts with (shared_prefix)
     num_paged: int = 0                      # the first rows: decode rows, then chunks too short for tiles
     runs: Optional[torch.Tensor] = None     # [k, 2] int64: first row and rows of each longer chunk after them
+    # over a float32 pool (float32 tiles pay only for longer chunks over longer contexts): the runs
+    # that go to tiles, and the rows of the others (with the first num_paged) for the paged kernel
+    f32_runs: Optional[torch.Tensor] = None
+    f32_paged: Optional[torch.Tensor] = None   # [m] int64 row indices; None: only the first num_paged
 
 
 @dataclass
@@ -80,6 +85,13 @@ PREFIX_MIN_POSITIONS = 128
 # tiles: 256 chunks of 1 row 1.7-1.8 / 11.8 ms, 200 of 4 rows 3.2 / 9.2-9.6, 100 of 8 2.0 / 4.0, 64 of
 # 12 1.6 / 1.8, 64 of 16 2.15-2.26 / 1.98-2.39, 32 of 32 2.1 / 1.53-1.56)
 TILE_MIN_ROWS = 16
+# Over a float32 pool tiles pay later: for chunks of at least this many rows whose last row reads at
+# least this many positions (the same bits either way; 2-core Zen 5, ad hoc, paged kernel / tiles,
+# float32 pool: 16 chunks of 57 rows after 208 2.57 / 2.49 ms, 32 of 32 after 260 3.75 / 4.0, 16 of
+# 64 after 260 3.6-3.75 / 3.35-3.74, 32 of 32 after 1,000 18.3-18.5 / 15.7-16.0, 16 of 64 after 1,000
+# 17.0-17.3 / 13.3-13.7, 1,024 after 1,024 23.0 / 14.4)
+F32_TILE_MIN_ROWS = 32
+F32_TILE_MIN_CONTEXT = 512
 
 
 def shared_prefix(tables: torch.Tensor, lens: torch.Tensor, block_size: int) -> Optional[torch.Tensor]:
@@ -118,6 +130,13 @@ class CpuKernelAttention(AttentionBackend):
         runs = torch.stack([first_row, counts], dim=1)[paged:] if paged < len(order) else None
         num_paged = int(counts[:paged].sum())
         meta.rows = KernelRows(rows, tables, lens, prefix, num_paged, runs)   # no AMX: no prefix kernel to look for
+        if runs is not None:
+            last = lens[runs[:, 0] + runs[:, 1] - 1]
+            wide = (runs[:, 1] >= F32_TILE_MIN_ROWS) & (last >= F32_TILE_MIN_CONTEXT)
+            meta.rows.f32_runs = runs[wide]
+            if not bool(wide.all()):
+                narrow = [torch.arange(first, first + count) for first, count in runs[~wide].tolist()]
+                meta.rows.f32_paged = torch.cat([torch.arange(num_paged), *narrow])
         return meta
 
     def store_kv(self, k_cache, v_cache, k, v, meta: CpuKernelMetadata) -> None:
@@ -150,11 +169,21 @@ class CpuKernelAttention(AttentionBackend):
     @staticmethod
     def _prefill_tiles(q, k_cache, v_cache, rows: KernelRows, scale: float, window: Optional[int]) -> torch.Tensor:
         """The first ``num_paged`` rows (decode rows, short chunks) through the paged kernel, every
-        other prefill chunk's rows as tiles (kernels/cpu_prefill_attention.py)."""
+        other prefill chunk's rows as tiles (kernels/cpu_prefill_attention.py); over a float32 pool
+        only the runs of ``f32_runs`` as tiles, the other runs' rows with the paged ones."""
         out = torch.empty_like(q)
-        d = rows.num_paged
+        runs, d = rows.runs, rows.num_paged
+        if k_cache.dtype == torch.float32:
+            runs = rows.f32_runs
+            if rows.f32_paged is not None:
+                at = rows.f32_paged
+                out[at] = cpu_paged_attention.paged_attention(q[at], k_cache, v_cache, rows.block_tables[at],
+                                                              rows.context_lens[at], scale, window=window)
+                d = 0
         if d:
             out[:d] = cpu_paged_attention.paged_attention(q[:d], k_cache, v_cache, rows.block_tables[:d],
                                                           rows.context_lens[:d], scale, window=window)
+        if runs.shape[0] == 0:
+            return out
         return cpu_prefill_attention.prefill_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens,
-                                                       scale, rows.runs, out, window)
+                                                       scale, runs, out, window)

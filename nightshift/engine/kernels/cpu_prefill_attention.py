@@ -1,4 +1,4 @@
-"""Attention of a prefill chunk's rows as matrix products on AVX-512 BF16: ``prefill_attention``.
+"""Attention of a prefill chunk's rows as matrix products on AVX-512: ``prefill_attention``.
 
 The rows of one sequence's prefill chunk all read the same K/V blocks. The paged kernel
 (kernels/cpu_paged_attention.py) takes them one row at a time: per row and KV head each position's
@@ -26,6 +26,15 @@ within a block. A sliding window masks the positions before each row's window an
 before the run's first row's (those blocks may have been given back). Only over a bfloat16 pool on
 a CPU with AVX-512 BF16, head dims a multiple of 32 (``supports``); no soft-capping (the backend
 keeps such layers on the paged kernel); NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
+
+**Over a float32 pool** (the float32 CPU math's, on any AVX-512 CPU: -DKV_F32) the same tiles take
+the paged kernel's float32 form: the scaled query and the probabilities unrounded, each lane's dims
+l, l + 16, ... by a multiply then multiply-adds, the same trees, the value pass position by position
+against V read straight from the pool; again its bits on every row, so the float32 path's results
+are those it had. On the Zen 5 below (float32 pool, paged kernel -> tiles): 1,024 rows after 1,024
+23.0 -> 14.4 ms, 512 after 3,584 29.5 -> 18.9, a fresh 1,024-token prompt 6.4 -> 5.1, 16 chunks of 64
+after 1,000 17.0-17.3 -> 13.3-13.7, but chunks of 32 after 260 3.75 -> 4.0: the backend tiles only
+longer chunks over longer contexts there (attention/cpu_kernel_backend.py, F32_TILE_MIN_ROWS).
 
 Measured (ad hoc, a 2-core AMD EPYC Zen 5, AVX-512 with avx512_bf16, 2 threads, the default
 model's 9 query heads over 3 KV heads of 64, blocks of 16, the pool in cache), the paged kernel
@@ -71,7 +80,15 @@ SOURCE = r"""
 #define GC 1
 #define SP 6
 #endif
-#define PAIRS (HD / 2)
+#ifdef KV_F32            /* a float32 pool: float32 products, as the paged kernel's float32 form */
+typedef float kv_t;
+#define QW HD            /* the query's words a row: dims */
+#define STEPS (HD / 16)  /* the paged kernel's multiply-adds a lane: dims l, l + 16, ... */
+#else                    /* a bfloat16 pool: bfloat16 dim pairs (DOT_BF16) */
+typedef uint16_t kv_t;
+#define QW (HD / 2)      /* dim pairs */
+#define STEPS (HD / 32)  /* dim pairs l, l + 16, ... */
+#endif
 
 /* the first position a row of length len sees (window: its last `window` positions; 0: all), made
    even: positions before a row's window are masked, never read past the run's first row's start */
@@ -105,37 +122,42 @@ static void interleave_v(const uint16_t *v_cache, const int32_t *tab, int64_t lo
 
 /* The scores of SP positions (kp: each one's K dim pairs) for the GC query heads of a tile (qt: their
    scaled query dim pairs, one row a lane), each sum in the paged kernel's order
-   (kernels/cpu_paged_attention.py, DOT_BF16), so a row gets the paged kernel's bits: its lane l takes
+   (kernels/cpu_paged_attention.py, DOT_BF16; over a float32 pool its float32 form: dims instead of
+   dim pairs, a multiply then multiply-adds), so a row gets the paged kernel's bits: its lane l takes
    the `vdpbf16ps` of dim pairs l, l + 16, ... in turn, and the 16 lanes are summed in the tree of its
    transposing reduction (fold4, then sum16_last): ((a0 + a2) + (a1 + a3)) within each group of four
    lanes, then (S0 + S1) + (S2 + S3) across the groups. Lanes go two at a time (x = a0 + a2, then
    y = a1 + a3) for every head and position, so each query vector is loaded once for the SP positions
    and each K pair broadcast once for the GC heads. */
-static inline __attribute__((always_inline)) void lanes2(const uint32_t qt[GC][PAIRS * LANES],
+static inline __attribute__((always_inline)) void lanes2(const uint32_t qt[GC][QW * LANES],
                                                         const uint32_t *const kp[SP], int l1, int l2,
                                                         __m512 x[GC][SP]) {
     __m512 a1[GC][SP], a2[GC][SP];
-    for (int g = 0; g < GC; g++)
-        for (int j = 0; j < SP; j++) a1[g][j] = a2[g][j] = _mm512_setzero_ps();
-    for (int v = 0; v < HD / 32; v++) {
-        __m512bh q1[GC], q2[GC];
+    for (int v = 0; v < STEPS; v++) {
+        __m512 q1[GC], q2[GC];
         for (int g = 0; g < GC; g++) {
-            q1[g] = (__m512bh)_mm512_load_si512((const void *)(qt[g] + (16 * v + l1) * LANES));
-            q2[g] = (__m512bh)_mm512_load_si512((const void *)(qt[g] + (16 * v + l2) * LANES));
+            q1[g] = _mm512_load_ps((const float *)(qt[g] + (16 * v + l1) * LANES));
+            q2[g] = _mm512_load_ps((const float *)(qt[g] + (16 * v + l2) * LANES));
         }
         for (int j = 0; j < SP; j++) {
-            const __m512bh k1 = (__m512bh)_mm512_set1_epi32((int)kp[j][16 * v + l1]);
-            const __m512bh k2 = (__m512bh)_mm512_set1_epi32((int)kp[j][16 * v + l2]);
+            const __m512i k1 = _mm512_set1_epi32((int)kp[j][16 * v + l1]);
+            const __m512i k2 = _mm512_set1_epi32((int)kp[j][16 * v + l2]);
             for (int g = 0; g < GC; g++) {
-                a1[g][j] = _mm512_dpbf16_ps(a1[g][j], q1[g], k1);
-                a2[g][j] = _mm512_dpbf16_ps(a2[g][j], q2[g], k2);
+#ifdef KV_F32            /* the first product alone, then multiply-adds (the paged kernel's _mm512_mul_ps, _fmadd_ps) */
+                a1[g][j] = v ? _mm512_fmadd_ps(q1[g], _mm512_castsi512_ps(k1), a1[g][j]) : _mm512_mul_ps(q1[g], _mm512_castsi512_ps(k1));
+                a2[g][j] = v ? _mm512_fmadd_ps(q2[g], _mm512_castsi512_ps(k2), a2[g][j]) : _mm512_mul_ps(q2[g], _mm512_castsi512_ps(k2));
+#else
+                if (!v) a1[g][j] = a2[g][j] = _mm512_setzero_ps();
+                a1[g][j] = _mm512_dpbf16_ps(a1[g][j], (__m512bh)q1[g], (__m512bh)k1);
+                a2[g][j] = _mm512_dpbf16_ps(a2[g][j], (__m512bh)q2[g], (__m512bh)k2);
+#endif
             }
         }
     }
     for (int g = 0; g < GC; g++)
         for (int j = 0; j < SP; j++) x[g][j] = _mm512_add_ps(a1[g][j], a2[g][j]);
 }
-static inline __attribute__((always_inline)) void dots(const uint32_t qt[GC][PAIRS * LANES],
+static inline __attribute__((always_inline)) void dots(const uint32_t qt[GC][QW * LANES],
                                                       const uint32_t *const kp[SP], __m512 sc[GC][SP]) {
     __m512 grp[4][GC][SP];
     for (int k = 0; k < 4; k++) {
@@ -162,19 +184,23 @@ static inline __m512 sum16(const __m512 part[16]) {
 /* One tile: rows first .. first + m - 1 (m <= 16) of one run, the query heads hg0 .. hg0 + gc - 1
    (gc <= GC) of KV head h: each K value broadcast once for all of them. s, pp: the thread's buffers
    for GC heads' scores [Lpad][16] and probability pairs [Lpad / 2][16]. */
-static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, const int32_t *tab,
+static void tile(const float *q, const kv_t *k_cache, const kv_t *v_cache, const uint32_t *vi, const int32_t *tab,
                  const int32_t *lens, float *out, int64_t first, int64_t m, int64_t H, int64_t hg0, int gc,
                  int64_t h, int64_t bs, int64_t row, float scale, int64_t window, int64_t vlo, int64_t lpad,
                  float *s, uint32_t *pp) {
-    uint32_t qt[GC][PAIRS * LANES] __attribute__((aligned(64)));
+    uint32_t qt[GC][QW * LANES] __attribute__((aligned(64)));
     int32_t len[LANES] __attribute__((aligned(64)));
     for (int l = 0; l < LANES; l++) {
         const int64_t i = first + (l < m ? l : 0);       /* padding lanes repeat the first row */
         len[l] = lens[i];
         for (int g = 0; g < GC; g++) {
             const float *qi = q + (i * H + hg0 + (g < gc ? g : 0)) * HD;
-            for (int p = 0; p < PAIRS; p++)
+#ifdef KV_F32
+            for (int d = 0; d < HD; d++) { const float x = qi[d] * scale; memcpy(&qt[g][d * LANES + l], &x, 4); }
+#else
+            for (int p = 0; p < QW; p++)
                 qt[g][p * LANES + l] = bf16_bits(qi[2 * p] * scale) | bf16_bits(qi[2 * p + 1] * scale) << 16;
+#endif
         }
     }
     const int64_t L = lens[first + m - 1];               /* the tile's longest row: the run's lens grow */
@@ -208,7 +234,7 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
     float o[16 * LANES] __attribute__((aligned(64)));
     for (int g = 0; g < gc; g++) {
         const float *sg = s + g * lpad * LANES;
-        uint32_t *pg = pp + g * (lpad / 2) * LANES;
+        uint32_t *pg = pp + g * (lpad * LANES * sizeof(kv_t) / 4);
         /* the sum as the paged kernel adds it: position t into part t % 16, then those 16 in its tree */
         __m512 part[16];
         for (int j = 0; j < 16; j++) part[j] = _mm512_setzero_ps();
@@ -220,21 +246,36 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
                 const __m512 e1 = exp16(_mm512_sub_ps(_mm512_load_ps(sg + (t + 1) * LANES), mx[g]));
                 part[j] = _mm512_add_ps(part[j], e0);
                 part[j + 1] = _mm512_add_ps(part[j + 1], e1);
+#ifdef KV_F32                                  /* the probabilities as they are */
+                _mm512_store_ps((float *)pg + t * LANES, e0);
+                _mm512_store_ps((float *)pg + (t + 1) * LANES, e1);
+#else                                          /* rounded to bfloat16, two positions a word */
                 const __m512i b0 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e0));
                 const __m512i b1 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e1));
                 _mm512_store_si512((void *)(pg + (t / 2) * LANES), _mm512_or_si512(b0, _mm512_slli_epi32(b1, 16)));
+#endif
             }
         }
         const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), sum16(part));
         for (int d0 = 0; d0 < HD; d0 += 16) {
             __m512 acc[16];
             for (int d = 0; d < 16; d++) acc[d] = _mm512_setzero_ps();
+#ifdef KV_F32     /* position by position, V straight from the pool (the paged kernel's float32 value pass) */
+            (void)vi; (void)vlo; (void)pairs;
+            for (int64_t t = lo; t < L; t++) {
+                const __m512 pv = _mm512_load_ps((const float *)pg + t * LANES);
+                const float *vt = v_cache + ((int64_t)tab[t / bs] * bs + t % bs) * row + h * HD + d0;
+                for (int d = 0; d < 16; d++) acc[d] = _mm512_fmadd_ps(pv, _mm512_set1_ps(vt[d]), acc[d]);
+            }
+#else             /* two positions a step against the sequence's V interleaved into position pairs */
+            (void)v_cache;
             for (int64_t j = lo / 2; j < pairs; j++) {
                 const __m512bh pv = (__m512bh)_mm512_load_si512((const void *)(pg + j * LANES));
                 const uint32_t *vj = vi + (j - vlo / 2) * HD + d0;
                 for (int d = 0; d < 16; d++)
                     acc[d] = _mm512_dpbf16_ps(acc[d], pv, (__m512bh)_mm512_set1_epi32((int)vj[d]));
             }
+#endif
             for (int d = 0; d < 16; d++) _mm512_store_ps(o + d * LANES, _mm512_mul_ps(acc[d], inv));
             for (int l = 0; l < m; l++) {
                 float *dst = out + ((first + l) * H + hg0 + g) * HD + d0;
@@ -247,7 +288,7 @@ static void tile(const float *q, const uint16_t *k_cache, const uint32_t *vi, co
 /* q [n, H, HD] float32 -> out [n, H, HD] for the rows of `runs` ([nruns, 2] int64: first row, rows):
    each run one sequence's chunk, its rows sharing the first row's table, lens growing by one a row.
    Pools bfloat16 [blocks, bs, KVH, HD]; other rows of out are left as they are. */
-void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *v_cache, const int32_t *tables,
+void prefill_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache, const int32_t *tables,
                        int64_t tw, const int32_t *lens, float *out, int64_t KVH, int64_t bs,
                        float scale, int64_t window, const int64_t *runs, int64_t nruns) {
     const int64_t H = KVH * GQ, row = KVH * HD;
@@ -258,7 +299,11 @@ void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *
         const int64_t L = lens[runs[2 * r] + runs[2 * r + 1] - 1];
         lmax = L > lmax ? L : lmax;
         rlo[r] = window_start(lens[runs[2 * r]], window);
+#ifndef KV_F32
         for (int64_t h = 0; h < KVH; h++) { voff[r * KVH + h] = words; words += ((L + 1) / 2 - rlo[r] / 2) * HD; }
+#else
+        for (int64_t h = 0; h < KVH; h++) voff[r * KVH + h] = 0;      /* no interleaved V: read from the pool */
+#endif
         items += KVH * ((GQ + GC - 1) / GC) * ((runs[2 * r + 1] + LANES - 1) / LANES);
     }
     uint32_t *vi = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (words + 16));
@@ -273,19 +318,22 @@ void prefill_attention(const float *q, const uint16_t *k_cache, const uint16_t *
     const int64_t lpad = (lmax + SP - 1) / SP * SP + SP;
     #pragma omp parallel
     {
+#ifndef KV_F32
         #pragma omp for schedule(dynamic)
         for (int64_t x = 0; x < nruns * KVH; x++) {
             const int64_t r = x / KVH, h = x % KVH, first = runs[2 * r];
             interleave_v(v_cache, tables + first * tw, rlo[r], lens[first + runs[2 * r + 1] - 1], bs, row, h,
                          vi + voff[x]);
         }
+#endif
         float *s = (float *)aligned_alloc(64, sizeof(float) * GC * lpad * LANES);
-        uint32_t *pp = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * GC * (lpad / 2) * LANES);
+        /* the probabilities: float32 a position, or bfloat16 two positions a word */
+        uint32_t *pp = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * GC * (lpad * LANES * sizeof(kv_t) / 4));
         #pragma omp for schedule(dynamic)
         for (int64_t x = 0; x < items; x++) {
             const int64_t r = work[3 * x], t = work[3 * x + 1], hg = work[3 * x + 2], h = hg / GQ;
             const int64_t first = runs[2 * r] + t, rows = runs[2 * r + 1] - t, left = (h + 1) * GQ - hg;
-            tile(q, k_cache, vi + voff[r * KVH + h], tables + runs[2 * r] * tw, lens, out, first,
+            tile(q, k_cache, v_cache, vi + voff[r * KVH + h], tables + runs[2 * r] * tw, lens, out, first,
                  rows < LANES ? rows : LANES, H, hg, left < GC ? (int)left : GC, h, bs, row, scale, window,
                  rlo[r], lpad, s, pp);
         }
@@ -298,14 +346,20 @@ FLAGS = list(OPTIMIZE)      # no -ffast-math: the sums keep the order written (t
 
 
 @functools.cache
-def load(group: int = 3, head_dim: int = 64) -> Optional[ctypes.CDLL]:
-    """The kernel for `group` query heads per KV head and `head_dim` (a multiple of 32), built on
-    first use; None where the CPU has no AVX-512 BF16, the build fails, or
-    NIGHTSHIFT_CPU_PREFILL_ATTENTION=0."""
+def load(group: int = 3, head_dim: int = 64, kv_dtype: torch.dtype = torch.bfloat16) -> Optional[ctypes.CDLL]:
+    """The kernel for `group` query heads per KV head, `head_dim` (a multiple of 32) and a pool of
+    `kv_dtype` (bfloat16: the bfloat16 products, on a CPU with AVX-512 BF16; float32: float32
+    products, on any AVX-512 CPU), built on first use; None where the CPU has neither, the build
+    fails, or NIGHTSHIFT_CPU_PREFILL_ATTENTION=0."""
+    if kv_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the prefill tiles read a float32 or bfloat16 pool, not {kv_dtype}")
+    f32 = kv_dtype == torch.float32
+    needs = {"avx512f"} if f32 else {"avx512f", "avx512bw", "avx512_bf16"}
     if (os.environ.get("NIGHTSHIFT_CPU_PREFILL_ATTENTION", "1") == "0" or head_dim % 32 or group < 1
-            or not {"avx512f", "avx512bw", "avx512_bf16"} <= cpu_flags()):
+            or not needs <= cpu_flags()):
         return None
-    lib = load_library(f"prefill_attention-g{group}-d{head_dim}", SOURCE, [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}"])
+    name = f"prefill_attention-g{group}-d{head_dim}" + ("-f32" if f32 else "")
+    lib = load_library(name, SOURCE, [*FLAGS, f"-DGQ={group}", f"-DHD={head_dim}", *(["-DKV_F32"] if f32 else [])])
     if lib is not None:
         lib.prefill_attention.restype = None
         lib.prefill_attention.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + \
@@ -314,11 +368,12 @@ def load(group: int = 3, head_dim: int = 64) -> Optional[ctypes.CDLL]:
 
 
 def supports(num_heads: int, num_kv_heads: int, head_dim: int, kv_dtype: torch.dtype, block_size: int) -> bool:
-    """Whether this CPU runs the kernel for this shape: a bfloat16 pool, head dims a multiple of 32,
-    an even block size (the paged kernel pairs a row's positions within a block; tiles pair them
-    from position 0: the same pairs only where blocks hold whole pairs)."""
-    return (kv_dtype == torch.bfloat16 and num_heads % num_kv_heads == 0 and head_dim <= 256
-            and block_size % 2 == 0 and load(num_heads // num_kv_heads, head_dim) is not None)
+    """Whether this CPU runs the kernel for this shape: a bfloat16 pool on a CPU with AVX-512 BF16 or
+    a float32 pool on one with AVX-512, head dims a multiple of 32, and an even block size (the paged kernel pairs a row's positions within a block for the
+    bfloat16 products; tiles pair them from position 0: the same pairs only where blocks hold
+    whole pairs)."""
+    return (kv_dtype in (torch.bfloat16, torch.float32) and num_heads % num_kv_heads == 0 and head_dim <= 256
+            and block_size % 2 == 0 and load(num_heads // num_kv_heads, head_dim, kv_dtype) is not None)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -326,7 +381,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       window: Optional[int] = None) -> torch.Tensor:
     """Writes into ``out`` `[n, H, D]` the attention of the rows of ``runs`` (`[k, 2]` int64: first
     row, rows; each run one sequence's prefill chunk: its rows share the first row's table and
-    their lens grow by one a row) over the bfloat16 pool; q `[n, H, D]` float32, tables `[n, w]`
+    their lens grow by one a row) over the bfloat16 or float32 pool; q `[n, H, D]` float32, tables `[n, w]`
     int32, lens `[n]` int32 as for cpu_paged_attention.paged_attention. Other rows are left alone.
     window: each row sees only its last `window` positions (table entries of blocks wholly before
     the run's first row's window are never read: the block manager may have given them back)."""
@@ -345,7 +400,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     first, count = runs[:, 0], runs[:, 1]
     assert int(count.min()) >= 1 and int((first + count).max()) <= n and int(first.min()) >= 0
     q = q.contiguous()
-    load(heads // kv_heads, dim).prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+    load(heads // kv_heads, dim, k_cache.dtype).prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                                    tables.data_ptr(), tables.shape[1], lens.data_ptr(), out.data_ptr(),
                                                    kv_heads, block_size, scale, window or 0, runs.data_ptr(),
                                                    runs.shape[0])
