@@ -173,6 +173,14 @@ def test_over_a_float32_pool_the_backend_tiles_only_long_chunks_over_long_contex
     assert calls == [[[1, wide]]]
     paged = cpu_paged_attention.paged_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125)
     assert torch.equal(out, paged)
+    # without the wide chunk no tiles at all (the bfloat16 pool would tile the other two)
+    meta = backend.build_metadata([items[0], items[2], items[3]])
+    assert meta.rows.f32_runs.shape[0] == 0 and meta.rows.runs.shape[0] == 2
+    q = q[:meta.rows.num_rows]
+    out = backend.forward(q, None, None, k_cache, v_cache, meta, 0.125)
+    assert calls == [[[1, wide]]]
+    assert torch.equal(out, cpu_paged_attention.paged_attention(q, k_cache, v_cache, meta.rows.block_tables,
+                                                                meta.rows.context_lens, 0.125))
 
 
 @needs_kernel

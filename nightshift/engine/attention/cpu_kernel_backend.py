@@ -36,11 +36,11 @@ soft-capping not), every prefill chunk's rows (a run: one sequence's rows, after
 rows) go to kernels/cpu_prefill_attention.py, 16 rows of a query head a register tile; the decode
 rows and chunks of fewer than TILE_MIN_ROWS rows (where tiles measured no faster) stay on the paged
 kernel, and over a float32 pool the chunks of fewer than F32_TILE_MIN_ROWS rows or over contexts
-shorter than F32_TILE_MIN_CONTEXT positions too. The tiles give each row the paged kernel's bits, so the choice (which follows a chunk's length, so
-the step's token budget and the batch) changes no result: a row's result depends on that row alone.
-On a 2-core Zen 5, `bench.runner`'s 1,024-token chunk over 1,024 cached: 564.1-568.8 -> 451.2-465.6 ms
-on the bf16 math, 1,152.7-1,170.7 -> 959.2-968.3 ms on the float32 math (README). NIGHTSHIFT_CPU_PREFILL_ATTENTION=0
-turns it off.
+shorter than F32_TILE_MIN_CONTEXT positions too. The tiles give each row the paged kernel's bits,
+so the choice (which follows a chunk's length, so the step's token budget and the batch) changes no
+result: a row's result depends on that row alone. On a 2-core Zen 5, `bench.runner`'s 1,024-token
+chunk over 1,024 cached: 564.1-568.8 -> 451.2-465.6 ms on the bf16 math, 1,152.7-1,170.7 ->
+959.2-968.3 ms on the float32 math (README). NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
 """
 from __future__ import annotations
 
@@ -175,6 +175,9 @@ class CpuKernelAttention(AttentionBackend):
         runs, d = rows.runs, rows.num_paged
         if k_cache.dtype == torch.float32:
             runs = rows.f32_runs
+            if runs.shape[0] == 0:          # no chunk for the float32 tiles: every row as before
+                return cpu_paged_attention.paged_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens,
+                                                           scale, window=window)
             if rows.f32_paged is not None:
                 at = rows.f32_paged
                 out[at] = cpu_paged_attention.paged_attention(q[at], k_cache, v_cache, rows.block_tables[at],
