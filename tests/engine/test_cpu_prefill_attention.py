@@ -39,6 +39,24 @@ def chunk_pool(heads: int, kv_heads: int, dim: int, block_size: int, chunks: lis
     return q, k_cache, v_cache, tables, lens, torch.tensor(runs, dtype=torch.int64)
 
 
+
+def tiny_backend(max_positions: int) -> cpu_kernel_backend.CpuKernelAttention:
+    """The C kernel backend for the default model's attention shape (9 query heads over 3 KV heads
+    of 64, blocks of 16)."""
+    from nightshift.engine.model_config import ModelConfig
+    config = ModelConfig(architecture="llama", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
+                         head_dim=64, intermediate_size=64, vocab_size=100, rms_norm_eps=1e-5, rope_theta=1e4,
+                         max_position_embeddings=max_positions, tie_word_embeddings=True)
+    return cpu_kernel_backend.CpuKernelAttention(config, 16, torch.float32, torch.device("cpu"))
+
+
+def tile_calls(monkeypatch) -> list:
+    """From now on, the `runs` of every prefill_attention call, in order (the calls still run)."""
+    calls = []
+    tiles = cpu_prefill_attention.prefill_attention
+    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", lambda *a: calls.append(a[6].tolist()) or tiles(*a))
+    return calls
+
 @needs_kernel
 @pytest.mark.parametrize("heads, kv_heads, dim, block_size", [(9, 3, 64, 16), (4, 4, 32, 4), (8, 1, 128, 16),
                                                              (6, 2, 64, 8), (8, 2, 64, 16)])
@@ -145,12 +163,8 @@ def test_over_a_float32_pool_the_backend_tiles_only_long_chunks_over_long_contex
     """A float32 pool's step: the runs of at least F32_TILE_MIN_ROWS rows whose last row reads at
     least F32_TILE_MIN_CONTEXT positions go to the tiles, the other chunks' rows with the decode
     rows to the paged kernel; every row the paged kernel's bits."""
-    from nightshift.engine.model_config import ModelConfig
     from nightshift.engine.step import StepItem
-    config = ModelConfig(architecture="llama", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
-                         head_dim=64, intermediate_size=64, vocab_size=100, rms_norm_eps=1e-5, rope_theta=1e4,
-                         max_position_embeddings=2048, tie_word_embeddings=True)
-    backend = cpu_kernel_backend.CpuKernelAttention(config, 16, torch.float32, torch.device("cpu"))
+    backend = tiny_backend(2048)
     wide, ctx = cpu_kernel_backend.F32_TILE_MIN_ROWS, cpu_kernel_backend.F32_TILE_MIN_CONTEXT
     blocks = lambda first, n: list(range(first, first + n))  # noqa: E731
     items = [StepItem([5], 40, blocks(0, 3)),                                  # a decode row
@@ -165,10 +179,7 @@ def test_over_a_float32_pool_the_backend_tiles_only_long_chunks_over_long_contex
     k_cache = torch.randn(78, 16, 3, 64, generator=g)
     v_cache = torch.randn(78, 16, 3, 64, generator=g)
     q = torch.randn(rows.num_rows, 9, 64, generator=g)
-    calls = []
-    tiles = cpu_prefill_attention.prefill_attention
-    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention",
-                        lambda *a: calls.append(a[6].tolist()) or tiles(*a))
+    calls = tile_calls(monkeypatch)
     out = backend.forward(q, None, None, k_cache, v_cache, meta, 0.125)
     assert calls == [[[1, wide]]]
     paged = cpu_paged_attention.paged_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125)
@@ -201,12 +212,8 @@ def test_the_backend_takes_decode_rows_and_short_chunks_through_the_paged_kernel
         monkeypatch):
     """A mixed step's metadata: the decode rows first, then the chunks shorter than TILE_MIN_ROWS,
     then one run per longer chunk; its output the paged kernel's bits on every row."""
-    from nightshift.engine.model_config import ModelConfig
     from nightshift.engine.step import StepItem
-    config = ModelConfig(architecture="llama", hidden_size=576, num_layers=1, num_heads=9, num_kv_heads=3,
-                         head_dim=64, intermediate_size=64, vocab_size=100, rms_norm_eps=1e-5, rope_theta=1e4,
-                         max_position_embeddings=512, tie_word_embeddings=True)
-    backend = cpu_kernel_backend.CpuKernelAttention(config, 16, torch.float32, torch.device("cpu"))
+    backend = tiny_backend(512)
     short = cpu_kernel_backend.TILE_MIN_ROWS - 1
     items = [StepItem(list(range(20)), 0, [0, 1]), StepItem([5], 40, [2, 3, 4]),
              StepItem(list(range(short)), 17, [5, 6]), StepItem([9], 3, [7]), StepItem(list(range(18)), 30, [8, 9, 10])]
@@ -218,11 +225,9 @@ def test_the_backend_takes_decode_rows_and_short_chunks_through_the_paged_kernel
     k_cache = torch.randn(11, 16, 3, 64, generator=g).bfloat16()
     v_cache = torch.randn(11, 16, 3, 64, generator=g).bfloat16()
     q = torch.randn(rows.num_rows, 9, 64, generator=g)
-    calls = []
-    tiles = cpu_prefill_attention.prefill_attention
-    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", lambda *a: calls.append(1) or tiles(*a))
+    calls = tile_calls(monkeypatch)
     out = backend.forward(q, None, None, k_cache, v_cache, meta, 0.125)
-    assert calls == [1]
+    assert len(calls) == 1
     paged = cpu_paged_attention.paged_attention(q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125)
     assert torch.equal(out, paged)
     check_against_reference(out, q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125, False)
@@ -249,9 +254,7 @@ def test_the_default_model_on_bf16_math_gives_the_same_logits_however_its_prompt
     own = [torch.randint(100, 40000, (int(n),), generator=g).tolist()
            for n in torch.randint(20, 60, (rows,), generator=g)]
     forced = torch.randint(100, 40000, (rows, 4), generator=g).tolist()
-    calls = []
-    tiles = cpu_prefill_attention.prefill_attention
-    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", lambda *a: calls.append(1) or tiles(*a))
+    calls = tile_calls(monkeypatch)
 
     def run(tiled: bool, split: int = 0) -> torch.Tensor:
         runner = ModelRunner(model, num_kv_blocks=5 + rows * 5, block_size=16)
@@ -292,9 +295,7 @@ def test_the_default_model_on_float32_math_gives_the_same_logits_with_float32_ti
     prompt = torch.randint(100, 40000, (shared,), generator=g).tolist()
     own = [torch.randint(100, 40000, (40,), generator=g).tolist() for _ in range(rows)]
     forced = torch.randint(100, 40000, (rows, 3), generator=g).tolist()
-    calls = []
-    tiles = cpu_prefill_attention.prefill_attention
-    monkeypatch.setattr(cpu_prefill_attention, "prefill_attention", lambda *a: calls.append(1) or tiles(*a))
+    calls = tile_calls(monkeypatch)
 
     def run(tiled: bool) -> torch.Tensor:
         runner = ModelRunner(model, num_kv_blocks=32 + rows * 4, block_size=16)
