@@ -97,6 +97,7 @@ static inline int64_t window_start(int64_t len, int64_t window) {
     return first & ~(int64_t)1;
 }
 
+#ifndef KV_F32
 static inline uint32_t bf16_bits(float f) {          /* round to nearest even, as cvtneps_pbh */
     uint32_t u; memcpy(&u, &f, 4);
     return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
@@ -119,6 +120,7 @@ static void interleave_v(const uint16_t *v_cache, const int32_t *tab, int64_t lo
         }
     }
 }
+#endif
 
 /* The scores of SP positions (kp: each one's K dim pairs) for the GC query heads of a tile (qt: their
    scaled query dim pairs, one row a lane), each sum in the paged kernel's order
@@ -287,7 +289,8 @@ static void tile(const float *q, const kv_t *k_cache, const kv_t *v_cache, const
 
 /* q [n, H, HD] float32 -> out [n, H, HD] for the rows of `runs` ([nruns, 2] int64: first row, rows):
    each run one sequence's chunk, its rows sharing the first row's table, lens growing by one a row.
-   Pools bfloat16 [blocks, bs, KVH, HD]; other rows of out are left as they are. */
+   Pools [blocks, bs, KVH, HD] of kv_t (bfloat16, or float32 with KV_F32); other rows of out are left
+   as they are. */
 void prefill_attention(const float *q, const kv_t *k_cache, const kv_t *v_cache, const int32_t *tables,
                        int64_t tw, const int32_t *lens, float *out, int64_t KVH, int64_t bs,
                        float scale, int64_t window, const int64_t *runs, int64_t nruns) {
