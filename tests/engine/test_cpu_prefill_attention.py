@@ -14,6 +14,10 @@ from test_cpu_attention import check_against_reference
 
 needs_kernel = pytest.mark.skipif(not cpu_prefill_attention.supports(9, 3, 64, torch.bfloat16, 16),
                                   reason="no AVX-512 BF16 on this CPU: the paged kernel attends prefill rows")
+needs_f32_kernel = pytest.mark.skipif(not cpu_prefill_attention.supports(9, 3, 64, torch.float32, 16),
+                                      reason="no AVX-512 on this CPU: the paged kernel attends prefill rows")
+POOLS = [pytest.param(torch.bfloat16, marks=needs_kernel, id="bf16"),
+         pytest.param(torch.float32, marks=needs_f32_kernel, id="f32")]
 
 
 def chunk_pool(heads: int, kv_heads: int, dim: int, block_size: int, chunks: list[tuple[int, int]], seed: int = 0):
@@ -81,15 +85,17 @@ def test_tiles_match_softmax_attention(heads, kv_heads, dim, block_size):
     assert torch.equal(out[~skipped], paged[~skipped])
 
 
-@needs_kernel
+@pytest.mark.parametrize("pool", POOLS)
 @pytest.mark.parametrize("window", [2, 5, 16, 23, 70])
-def test_a_sliding_window_sees_only_each_row_s_last_positions(window):
-    """Windows of two positions, shorter than a block, a block, between blocks and longer than every row: the
-    paged kernel's bits (within 1e-5 of windowed attention with the same roundings); the table entries of blocks wholly before the
-    run's first row's window are never read (here ids far outside the pool: reading one would fault
-    or give garbage)."""
+def test_a_sliding_window_sees_only_each_row_s_last_positions(window, pool):
+    """Windows of two positions, shorter than a block, a block, between blocks and longer than every
+    row, over a bfloat16 and a float32 pool: the paged kernel's bits (within 1e-5 of windowed
+    attention with the same roundings); the table entries of blocks wholly before the run's first
+    row's window are never read (here ids far outside the pool: reading one would fault or give
+    garbage)."""
     chunks = [(0, 9), (20, 40), (45, 17), (3, 1)]
     q, k_cache, v_cache, tables, lens, runs = chunk_pool(9, 3, 64, 16, chunks, seed=window)
+    k_cache, v_cache = k_cache.to(pool), v_cache.to(pool)
     for first, rows in runs.tolist():
         before = max(0, int(lens[first]) - window) // 16        # blocks wholly before the first row's window
         tables[first:first + rows, :before] = 10 ** 8
@@ -129,10 +135,6 @@ def test_only_whole_dim_pairs_even_blocks_and_float_pools_are_supported():
     assert not cpu_prefill_attention.supports(9, 3, 64, torch.float16, 16)
     with pytest.raises(ValueError):
         cpu_prefill_attention.load(3, 64, torch.float16)
-
-
-needs_f32_kernel = pytest.mark.skipif(not cpu_prefill_attention.supports(9, 3, 64, torch.float32, 16),
-                                      reason="no AVX-512 on this CPU: the paged kernel attends prefill rows")
 
 
 @needs_f32_kernel
