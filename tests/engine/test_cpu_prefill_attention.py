@@ -235,6 +235,31 @@ def test_the_backend_takes_decode_rows_and_short_chunks_through_the_paged_kernel
     check_against_reference(out, q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125, False)
 
 
+def shared_prompt_logits(model, monkeypatch, prompt: list[int], own: list[list[int]], forced: list[list[int]],
+                         tiled: bool, split: int = 0) -> torch.Tensor:
+    """The logits of a fresh runner over `prompt` (whole blocks, prefilled alone), then each
+    continuation of `own` prefilled over it in one step (with `split`: its first `split` tokens in a
+    step before, without logits), then one `forced` token a step for each; every row through the
+    paged kernel where not `tiled`."""
+    from nightshift.engine.model_runner import ModelRunner
+    from nightshift.engine.step import StepItem
+    shared, rows = len(prompt), len(own)
+    per = -(-(max(len(o) for o in own) + len(forced[0])) // 16)      # each continuation's own blocks
+    runner = ModelRunner(model, num_kv_blocks=shared // 16 + rows * per, block_size=16)
+    tables = [list(range(shared // 16)) + [shared // 16 + per * i + j for j in range(per)] for i in range(rows)]
+    with monkeypatch.context() as patch:
+        if not tiled:
+            patch.setattr(cpu_prefill_attention, "supports", lambda *a: False)
+        steps = [runner.execute([StepItem(prompt, 0, tables[0])])]
+        if split:
+            runner.execute([StepItem(o[:split], shared, t, False) for o, t in zip(own, tables)])
+        steps.append(runner.execute([StepItem(o[split:], shared + split, t) for o, t in zip(own, tables)]))
+        for step in range(len(forced[0])):
+            steps.append(runner.execute([StepItem([f[step]], shared + len(o) + step, t)
+                                         for f, o, t in zip(forced, own, tables)]))
+    return torch.cat(steps)
+
+
 @needs_kernel
 @pytest.mark.slow
 def test_the_default_model_on_bf16_math_gives_the_same_logits_however_its_prompts_are_chunked(
@@ -245,8 +270,6 @@ def test_the_default_model_on_bf16_math_gives_the_same_logits_however_its_prompt
     rows (the paged kernel) and one of the rest (tiles) over two steps."""
     from nightshift.engine.layers import cpu_math
     from nightshift.engine.loader import load_model
-    from nightshift.engine.model_runner import ModelRunner
-    from nightshift.engine.step import StepItem
     if "bf16" not in cpu_math.supported():
         pytest.skip("no bf16 CPU math here")
     model = load_model(default_model_path, dtype=torch.float32, cpu_math="bf16")
@@ -257,21 +280,7 @@ def test_the_default_model_on_bf16_math_gives_the_same_logits_however_its_prompt
            for n in torch.randint(20, 60, (rows,), generator=g)]
     forced = torch.randint(100, 40000, (rows, 4), generator=g).tolist()
     calls = tile_calls(monkeypatch)
-
-    def run(tiled: bool, split: int = 0) -> torch.Tensor:
-        runner = ModelRunner(model, num_kv_blocks=5 + rows * 5, block_size=16)
-        tables = [list(range(5)) + [5 + 5 * i + j for j in range(5)] for i in range(rows)]
-        with monkeypatch.context() as patch:
-            if not tiled:
-                patch.setattr(cpu_prefill_attention, "supports", lambda *a: False)
-            first = runner.execute([StepItem(prompt, 0, tables[0])])
-            if split:
-                runner.execute([StepItem(o[:split], shared, t, False) for o, t in zip(own, tables)])
-            steps = [runner.execute([StepItem(o[split:], shared + split, t) for o, t in zip(own, tables)])]
-            for step in range(4):
-                steps.append(runner.execute([StepItem([f[step]], shared + len(o) + step, t)
-                                             for f, o, t in zip(forced, own, tables)]))
-        return torch.cat([first, *steps])
+    run = lambda tiled, split=0: shared_prompt_logits(model, monkeypatch, prompt, own, forced, tiled, split)  # noqa: E731
 
     tiled = run(True)
     assert len(calls) == 2 * model.config.num_layers      # the two prefill steps, every layer
@@ -289,9 +298,8 @@ def test_the_default_model_on_float32_math_gives_the_same_logits_with_float32_ti
     it prefilled over the cached prompt (both steps' chunks long enough for the float32 tiles), then
     forced decode steps: the same logits, bit for bit, as with every row through the paged kernel."""
     from nightshift.engine.loader import load_model
-    from nightshift.engine.model_runner import ModelRunner
-    from nightshift.engine.step import StepItem
     model = load_model(default_model_path, dtype=torch.float32, cpu_math="float32")
+    assert model.kv_dtype == torch.float32
     g = torch.Generator().manual_seed(6)
     rows, shared = 4, 32 * 16
     prompt = torch.randint(100, 40000, (shared,), generator=g).tolist()
@@ -299,20 +307,6 @@ def test_the_default_model_on_float32_math_gives_the_same_logits_with_float32_ti
     forced = torch.randint(100, 40000, (rows, 3), generator=g).tolist()
     calls = tile_calls(monkeypatch)
 
-    def run(tiled: bool) -> torch.Tensor:
-        runner = ModelRunner(model, num_kv_blocks=32 + rows * 4, block_size=16)
-        assert runner.kv_caches[0][0].dtype == torch.float32
-        tables = [list(range(32)) + [32 + 4 * i + j for j in range(4)] for i in range(rows)]
-        with monkeypatch.context() as patch:
-            if not tiled:
-                patch.setattr(cpu_prefill_attention, "supports", lambda *a: False)
-            steps = [runner.execute([StepItem(prompt, 0, tables[0])]),
-                     runner.execute([StepItem(o, shared, t) for o, t in zip(own, tables)])]
-            for step in range(3):
-                steps.append(runner.execute([StepItem([f[step]], shared + len(o) + step, t)
-                                             for f, o, t in zip(forced, own, tables)]))
-        return torch.cat(steps)
-
-    tiled = run(True)
+    tiled = shared_prompt_logits(model, monkeypatch, prompt, own, forced, True)
     assert len(calls) == 2 * model.config.num_layers
-    assert torch.equal(tiled, run(False))
+    assert torch.equal(tiled, shared_prompt_logits(model, monkeypatch, prompt, own, forced, False))

@@ -23,8 +23,8 @@ the compiler keeps the sums in the order written. So whether a chunk goes here o
 kernel (the backend decides by the chunk's length, so by the batch) never changes a bit, and a
 row's result depends on that row alone. Only for even block sizes: the paged kernel pairs positions
 within a block. A sliding window masks the positions before each row's window and reads nothing
-before the run's first row's (those blocks may have been given back). Only over a bfloat16 pool on
-a CPU with AVX-512 BF16, head dims a multiple of 32 (``supports``); no soft-capping (the backend
+before the run's first row's (those blocks may have been given back). This bfloat16 form needs a
+CPU with AVX-512 BF16; head dims a multiple of 32 (``supports``); no soft-capping (the backend
 keeps such layers on the paged kernel); NIGHTSHIFT_CPU_PREFILL_ATTENTION=0 turns it off.
 
 **Over a float32 pool** (the float32 CPU math's, on any AVX-512 CPU: -DKV_F32) the same tiles take
