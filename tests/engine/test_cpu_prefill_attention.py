@@ -235,12 +235,17 @@ def test_the_backend_takes_decode_rows_and_short_chunks_through_the_paged_kernel
     check_against_reference(out, q, k_cache, v_cache, rows.block_tables, rows.context_lens, 0.125, False)
 
 
+def untiled(patch) -> None:
+    """Every row through the paged kernel (a `shared_prompt_logits` patch)."""
+    patch.setattr(cpu_prefill_attention, "supports", lambda *a: False)
+
+
 def shared_prompt_logits(model, monkeypatch, prompt: list[int], own: list[list[int]], forced: list[list[int]],
-                         tiled: bool, split: int = 0) -> torch.Tensor:
+                         patches=None, split: int = 0) -> torch.Tensor:
     """The logits of a fresh runner over `prompt` (whole blocks, prefilled alone), then each
     continuation of `own` prefilled over it in one step (with `split`: its first `split` tokens in a
-    step before, without logits), then one `forced` token a step for each; every row through the
-    paged kernel where not `tiled`."""
+    step before, without logits), then one `forced` token a step for each; `patches(patch)`, where
+    given, sets a monkeypatch context up around the run (e.g. `untiled`)."""
     from nightshift.engine.model_runner import ModelRunner
     from nightshift.engine.step import StepItem
     shared, rows = len(prompt), len(own)
@@ -248,8 +253,8 @@ def shared_prompt_logits(model, monkeypatch, prompt: list[int], own: list[list[i
     runner = ModelRunner(model, num_kv_blocks=shared // 16 + rows * per, block_size=16)
     tables = [list(range(shared // 16)) + [shared // 16 + per * i + j for j in range(per)] for i in range(rows)]
     with monkeypatch.context() as patch:
-        if not tiled:
-            patch.setattr(cpu_prefill_attention, "supports", lambda *a: False)
+        if patches is not None:
+            patches(patch)
         steps = [runner.execute([StepItem(prompt, 0, tables[0])])]
         if split:
             runner.execute([StepItem(o[:split], shared, t, False) for o, t in zip(own, tables)])
@@ -280,13 +285,14 @@ def test_the_default_model_on_bf16_math_gives_the_same_logits_however_its_prompt
            for n in torch.randint(20, 60, (rows,), generator=g)]
     forced = torch.randint(100, 40000, (rows, 4), generator=g).tolist()
     calls = tile_calls(monkeypatch)
-    run = lambda tiled, split=0: shared_prompt_logits(model, monkeypatch, prompt, own, forced, tiled, split)  # noqa: E731
+    run = lambda patches=None, split=0: shared_prompt_logits(model, monkeypatch, prompt, own, forced,  # noqa: E731
+                                                             patches, split)
 
-    tiled = run(True)
+    tiled = run()
     assert len(calls) == 2 * model.config.num_layers      # the two prefill steps, every layer
-    assert torch.equal(tiled, run(False))
+    assert torch.equal(tiled, run(untiled))
     calls.clear()
-    assert torch.equal(tiled, run(True, split=7))
+    assert torch.equal(tiled, run(split=7))
     assert len(calls) == 2 * model.config.num_layers      # the 7-row chunks on the paged kernel, the rest tiles
 
 
@@ -307,6 +313,6 @@ def test_the_default_model_on_float32_math_gives_the_same_logits_with_float32_ti
     forced = torch.randint(100, 40000, (rows, 3), generator=g).tolist()
     calls = tile_calls(monkeypatch)
 
-    tiled = shared_prompt_logits(model, monkeypatch, prompt, own, forced, True)
+    tiled = shared_prompt_logits(model, monkeypatch, prompt, own, forced)
     assert len(calls) == 2 * model.config.num_layers
-    assert torch.equal(tiled, shared_prompt_logits(model, monkeypatch, prompt, own, forced, False))
+    assert torch.equal(tiled, shared_prompt_logits(model, monkeypatch, prompt, own, forced, untiled))

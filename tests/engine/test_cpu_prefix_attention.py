@@ -12,6 +12,7 @@ from nightshift.engine.attention.cpu_kernel_backend import PREFIX_MIN_POSITIONS,
 from nightshift.engine.kernels import cpu_paged_attention, cpu_prefix_attention
 
 from test_cpu_attention import bf16_ties
+from test_cpu_prefill_attention import shared_prompt_logits
 
 needs_amx = pytest.mark.skipif(not cpu_prefix_attention.supports(8, 2, 64, torch.bfloat16),
                                reason="no AMX bf16 tiles on this CPU: the paged kernel attends the whole context")
@@ -149,8 +150,6 @@ def test_the_default_model_on_bf16_math_drifts_no_more_with_the_prefix_path(defa
     follow the float32 model as closely as without it, and pick the same top-1 wherever that leads."""
     from nightshift.engine.layers import cpu_math
     from nightshift.engine.loader import load_model
-    from nightshift.engine.model_runner import ModelRunner
-    from nightshift.engine.step import StepItem
     if "bf16" not in cpu_math.supported():
         pytest.skip("no bf16 CPU math here")
     model = load_model(default_model_path, dtype=torch.float32, cpu_math="bf16")
@@ -164,23 +163,16 @@ def test_the_default_model_on_bf16_math_drifts_no_more_with_the_prefix_path(defa
     prefix_attention = cpu_prefix_attention.prefix_attention
     monkeypatch.setattr(cpu_prefix_attention, "prefix_attention", lambda *a: calls.append(1) or prefix_attention(*a))
 
-    def run(m, prefix_path: bool) -> torch.Tensor:
-        runner = ModelRunner(m, num_kv_blocks=9 + rows * 3, block_size=16)
-        tables = [list(range(9)) + [9 + 3 * i, 10 + 3 * i, 11 + 3 * i] for i in range(rows)]
-        with monkeypatch.context() as patch:
-            if not prefix_path:
-                patch.setattr(cpu_kernel_backend, "PREFIX_MIN_ROWS", 10 ** 9)
-            runner.execute([StepItem(prompt, 0, tables[0])])
-            steps = [runner.execute([StepItem(o, shared, t) for o, t in zip(own, tables)])]
-            for step in range(4):
-                steps.append(runner.execute([StepItem([f[step]], shared + len(o) + step, t)
-                                             for f, o, t in zip(forced, own, tables)]))
-        return torch.cat(steps)
+    def no_prefix(patch) -> None:
+        patch.setattr(cpu_kernel_backend, "PREFIX_MIN_ROWS", 10 ** 9)
 
-    with_prefix = run(model, True)
+    def run(m, patches=None) -> torch.Tensor:      # the continuations' step and the decode steps
+        return shared_prompt_logits(m, monkeypatch, prompt, own, forced, patches)[1:]
+
+    with_prefix = run(model)
     assert len(calls) == 5 * model.config.num_layers      # the prefill step and four decode steps, every layer
-    without = run(model, False)
-    reference = run(fp32_model, False)
+    without = run(model, no_prefix)
+    reference = run(fp32_model, no_prefix)
     assert len(calls) == 5 * model.config.num_layers
     kl = lambda x: torch.nn.functional.kl_div(x.log_softmax(-1), reference.log_softmax(-1), log_target=True,  # noqa: E731
                                               reduction="batchmean").item()
