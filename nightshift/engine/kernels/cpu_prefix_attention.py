@@ -9,13 +9,15 @@ once per call into the tiles' pair-interleaved layout. The paged kernel then att
 own positions after the prefix and merges the two softmax parts
 (``paged_attention_after_prefix``).
 
-Precision: the tiles multiply bfloat16 pairs into float32 sums. The pool's K and V are bfloat16
-already; the float32 query (scaled) and the float32 probabilities are each split into three
-bfloat16 parts (hi, the rounded remainder, the remainder of that: all 24 significant bits) and all
-three are multiplied (three tile products instead of one, the smallest first), so the products are
-float32's and only the order of the float32 sums differs from the row-by-row kernel. A row then
-reads the pool only for positions after the prefix, so its result depends on whether its step
-shares the prefix (not on the other rows' values).
+Precision: the tiles multiply bfloat16 pairs into float32 sums, the roundings of the paged
+kernel's bfloat16 products (``cpu_paged_attention.bf16_products``, which every shape this kernel
+runs has): the pool's K and V as stored, the scaled float32 query and the probabilities
+exp(score - max) rounded to bfloat16 (to nearest even), the softmax sum and the log-sum-exp from the
+float32 probabilities. (Until 2026-12-01 the query and the probabilities went as three bfloat16
+parts each, float32's 24 bits, at three tile products each: exact to ~1e-6 but 1.6x the time, while
+the positions after the prefix were rounded anyway; `bench.quality --maths bf16 --shared-system`
+measured no drift from it, README "CPU math".) A row's result depends on whether its step shares the
+prefix (not on the other rows' values).
 
 Linux hands out AMX state only to a process that asks (``arch_prctl(ARCH_REQ_XCOMP_PERM)``);
 ``load()`` asks once and returns None where the CPU has no AMX, the request is refused or the
@@ -53,19 +55,8 @@ int amx_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEAT
 struct tilecfg { uint8_t palette; uint8_t start_row; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
 """ + EXP16_AVX512 + r"""
-/* 16 floats as three bfloat16 parts, each the rounded remainder of the ones before (to nearest
-   even): hi + mid + lo holds all of a float32's 24 significant bits */
-static inline __m512 bf16_widen(__m256bh h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-}
-static inline void split16(__m512 x, uint16_t *hi, uint16_t *mid, uint16_t *lo) {
-    const __m256bh h = _mm512_cvtneps_pbh(x);
-    const __m512 rest = _mm512_sub_ps(x, bf16_widen(h));
-    const __m256bh m = _mm512_cvtneps_pbh(rest);
-    _mm256_storeu_si256((__m256i *)hi, (__m256i)h);
-    _mm256_storeu_si256((__m256i *)mid, (__m256i)m);
-    _mm256_storeu_si256((__m256i *)lo, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(rest, bf16_widen(m))));
-}
+/* 16 floats rounded to bfloat16 (to nearest even), stored */
+static inline void round16(__m512 x, uint16_t *to) { _mm256_storeu_si256((__m256i *)to, (__m256i)_mm512_cvtneps_pbh(x)); }
 
 /* q, out [n, KVH * GQ, D] float32; lse [n, KVH * GQ]; k_cache, v_cache [blocks, bs, KVH, D]
    bfloat16; prefix [nb] block ids: positions 0 .. P-1 (P = nb * bs) of every row. Per KV head the
@@ -82,15 +73,16 @@ void prefix_attention(const float *q, const uint16_t *k_cache, const uint16_t *v
     uint16_t *vb = (uint16_t *)calloc((size_t)KVH * (PP / 32) * (D / 16) * 512, 2);
     #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t h = 0; h < KVH; h++)
-        for (int64_t p = 0; p < P; p++) {
-            const int64_t at = ((int64_t)prefix[p / bs] * bs + p % bs) * KVH * D + h * D;
-            for (int64_t d = 0; d < D; d++) {
-                const int64_t dc = d / 32, r = (d % 32) / 2, pt = p / 16, c = p % 16;
-                kb[((h * DC + dc) * PT + pt) * 512 + r * 32 + c * 2 + (d & 1)] = k_cache[at + d];
-                const int64_t pc = p / 32, rv = (p % 32) / 2, dt = d / 16, cv = d % 16;
-                vb[((h * (PP / 32) + pc) * (D / 16) + dt) * 512 + rv * 32 + cv * 2 + (p & 1)] = v_cache[at + d];
+        for (int64_t pt = 0; pt < PT; pt++)          /* positions pt * 16 .. + 15 (padding stays 0) */
+            for (int c = 0; c < 16 && pt * 16 + c < P; c++) {
+                const int64_t p = pt * 16 + c, at = ((int64_t)prefix[p / bs] * bs + p % bs) * KVH * D + h * D;
+                const uint32_t *kp = (const uint32_t *)(k_cache + at);        /* the position's dim pairs */
+                uint32_t *kt = (uint32_t *)(kb + (h * DC * PT + pt) * 512) + c;
+                for (int64_t dp = 0; dp < D / 2; dp++) kt[(dp / 16) * PT * 256 + (dp % 16) * 16] = kp[dp];
+                const uint16_t *vp = v_cache + at;                           /* the position's dims */
+                uint16_t *vt = vb + ((h * (PP / 32) + p / 32) * (D / 16)) * 512 + ((p % 32) / 2) * 32 + (p & 1);
+                for (int64_t d = 0; d < D; d++) vt[(d / 16) * 512 + (d % 16) * 2] = vp[d];
             }
-        }
     #pragma omp parallel
     {
         struct tilecfg cfg;
@@ -98,9 +90,9 @@ void prefix_attention(const float *q, const uint16_t *k_cache, const uint16_t *v
         cfg.palette = 1;
         for (int t = 0; t < 8; t++) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
         _tile_loadconfig(&cfg);
-        uint16_t *qa = (uint16_t *)aligned_alloc(64, (size_t)3 * DC * 16 * 32 * 2);   /* [part][dc][16][32] */
+        uint16_t *qa = (uint16_t *)aligned_alloc(64, (size_t)DC * 16 * 32 * 2);       /* [dc][16][32] */
         float *s = (float *)aligned_alloc(64, (size_t)16 * PP * 4);
-        uint16_t *pa = (uint16_t *)aligned_alloc(64, (size_t)3 * 16 * PP * 2);       /* [part][16][PP] */
+        uint16_t *pa = (uint16_t *)aligned_alloc(64, (size_t)16 * PP * 2);           /* [16][PP] */
         float *o = (float *)aligned_alloc(64, (size_t)16 * D * 4);
         float m[16], l[16];
         #pragma omp for collapse(2) schedule(static)
@@ -109,29 +101,22 @@ void prefix_attention(const float *q, const uint16_t *k_cache, const uint16_t *v
                 for (int r = 0; r < 16; r++) {
                     const int64_t v = gi * 16 + r;
                     const float *qv = v < R ? q + ((v / GQ) * H + h * GQ + v % GQ) * D : 0;
-                    for (int64_t d = 0; d < D; d += 16) {
-                        const __m512 x = qv ? _mm512_mul_ps(_mm512_loadu_ps(qv + d), _mm512_set1_ps(scale))
-                                            : _mm512_setzero_ps();
-                        const int64_t at = r * 32 + d % 32;
-                        split16(x, qa + (d / 32) * 512 + at, qa + (DC + d / 32) * 512 + at,
-                                qa + (2 * DC + d / 32) * 512 + at);
-                    }
+                    for (int64_t d = 0; d < D; d += 16)
+                        round16(qv ? _mm512_mul_ps(_mm512_loadu_ps(qv + d), _mm512_set1_ps(scale)) : _mm512_setzero_ps(),
+                                qa + (d / 32) * 512 + r * 32 + d % 32);
                 }
-                /* scores: tile 0 += q hi (1) and lo (2) x K (3), per 16 positions */
+                /* scores: tile 0 += q (1) x K (3), per 16 positions */
                 for (int64_t pt = 0; pt < PT; pt++) {
                     _tile_zero(0);
                     for (int64_t dc = 0; dc < DC; dc++) {
-                        _tile_loadd(1, qa + (0 * DC + dc) * 512, 64);
-                        _tile_loadd(2, qa + (1 * DC + dc) * 512, 64);
-                        _tile_loadd(4, qa + (2 * DC + dc) * 512, 64);
+                        _tile_loadd(1, qa + dc * 512, 64);
                         _tile_loadd(3, kb + ((h * DC + dc) * PT + pt) * 512, 64);
-                        _tile_dpbf16ps(0, 4, 3);      /* smallest part first */
-                        _tile_dpbf16ps(0, 2, 3);
                         _tile_dpbf16ps(0, 1, 3);
                     }
                     _tile_stored(0, s + pt * 16, PP * 4);
                 }
-                /* softmax numerators, split into the output product's A operands */
+                /* softmax numerators, rounded to bfloat16 as the output product's A operand; their
+                   float32 values summed */
                 for (int r = 0; r < 16; r++) {
                     float *sr = s + r * PP;
                     for (int64_t p = P; p < PP; p++) sr[p] = -INFINITY;        /* padding: probability 0 */
@@ -141,20 +126,17 @@ void prefix_attention(const float *q, const uint16_t *k_cache, const uint16_t *v
                     for (int64_t p = 0; p < PP; p += 16) {
                         const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + p), _mm512_set1_ps(mr)));
                         tv = _mm512_add_ps(tv, e);
-                        split16(e, pa + r * PP + p, pa + 16 * PP + r * PP + p, pa + 32 * PP + r * PP + p);
+                        round16(e, pa + r * PP + p);
                     }
                     m[r] = mr; l[r] = _mm512_reduce_add_ps(tv);
                 }
-                /* output: tiles 0-3 (16 dims each) += p's parts (4: hi, 5: mid, 7: lo) x V (6), per 32
-                   positions, the smallest part first */
+                /* output: tiles 0-3 (16 dims each) += p (4) x V (6), per 32 positions */
                 for (int64_t d0 = 0; d0 < D; d0 += 64) {
                     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                     for (int64_t pc = 0; pc < PP / 32; pc++) {
                         _tile_loadd(4, pa + pc * 32, PP * 2);
-                        _tile_loadd(5, pa + 16 * PP + pc * 32, PP * 2);
-                        _tile_loadd(7, pa + 32 * PP + pc * 32, PP * 2);
                         const uint16_t *vt = vb + ((h * (PP / 32) + pc) * (D / 16) + d0 / 16) * 512;
-#define PV(c, at) _tile_loadd(6, vt + (at), 64); _tile_dpbf16ps(c, 7, 6); _tile_dpbf16ps(c, 5, 6); _tile_dpbf16ps(c, 4, 6);
+#define PV(c, at) _tile_loadd(6, vt + (at), 64); _tile_dpbf16ps(c, 4, 6);
                         PV(0, 0) PV(1, 512) PV(2, 2 * 512) PV(3, 3 * 512)
 #undef PV
                     }
@@ -167,8 +149,9 @@ void prefix_attention(const float *q, const uint16_t *k_cache, const uint16_t *v
                     const int64_t v = gi * 16 + r;
                     if (v >= R) break;
                     const int64_t hg = (v / GQ) * H + h * GQ + v % GQ;
-                    const float inv = 1.f / l[r];
-                    for (int64_t d = 0; d < D; d++) out[hg * D + d] = o[r * D + d] * inv;
+                    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+                    for (int64_t d = 0; d < D; d += 16)
+                        _mm512_storeu_ps(out + hg * D + d, _mm512_mul_ps(_mm512_loadu_ps(o + r * D + d), inv));
                     lse[hg] = m[r] + logf(l[r]);
                 }
             }
