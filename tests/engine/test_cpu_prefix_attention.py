@@ -122,7 +122,8 @@ def test_the_paged_kernel_merges_a_prefix_attended_elsewhere(heads, kv_heads, di
     (256, 9, 3, 64, 16, 13),     # the default model's shape on the standard workload
     (37, 8, 2, 128, 16, 3),      # 128-dim heads; rows x heads not a multiple of 16
     (5, 4, 4, 64, 32, 1),        # one block, fewer query vectors than a tile
-    (33, 16, 1, 64, 16, 2)])     # one KV head of 16 query heads
+    (33, 16, 1, 64, 16, 2),      # one KV head of 16 query heads
+    (20, 8, 2, 64, 8, 5)])       # blocks of 8: a K tile's 16 positions in two blocks
 def test_amx_prefix_attention_rounds_as_the_paged_kernel_does(rows, heads, kv_heads, dim, block_size, prefix):
     """The tiles multiply bfloat16 pairs, the scaled query and the probabilities rounded to bfloat16
     as the paged kernel's bfloat16 products round them: output within 1e-5 of float64 attention
@@ -171,8 +172,8 @@ def test_the_default_model_on_bf16_math_drifts_no_more_with_the_prefix_path(defa
         pytest.skip("no bf16 CPU math here")
     model = load_model(default_model_path, dtype=torch.float32, cpu_math="bf16")
     g = torch.Generator().manual_seed(3)
-    rows, shared = PREFIX_MIN_ROWS, 9 * 16
-    assert shared >= PREFIX_MIN_POSITIONS
+    rows, shared = 48, 9 * 16
+    assert rows >= PREFIX_MIN_ROWS and shared >= PREFIX_MIN_POSITIONS
     prompt = torch.randint(100, 40000, (shared,), generator=g).tolist()
     own = [torch.randint(100, 40000, (int(n),), generator=g).tolist() for n in torch.randint(3, 30, (rows,), generator=g)]
     forced = torch.randint(100, 40000, (rows, 4), generator=g).tolist()

@@ -71,18 +71,42 @@ void prefix_attention(const float *q, const uint16_t *k_cache, const uint16_t *v
        x 2; V as output tiles' B operand: [h][pc][dt] tiles of 16 rows (position pairs) x 16 dims x 2 */
     uint16_t *kb = (uint16_t *)calloc((size_t)KVH * DC * PT * 512, 2);
     uint16_t *vb = (uint16_t *)calloc((size_t)KVH * (PP / 32) * (D / 16) * 512, 2);
+    /* 16 positions of a K tile in one block (block sizes a multiple of 16): gathered, each tile row
+       (a dim pair of the 16 positions) at once; else one position at a time */
+    const __m512i position_step = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                     _mm512_set1_epi32((int)(KVH * D / 2)));
     #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t h = 0; h < KVH; h++)
-        for (int64_t pt = 0; pt < PT; pt++)          /* positions pt * 16 .. + 15 (padding stays 0) */
-            for (int c = 0; c < 16 && pt * 16 + c < P; c++) {
-                const int64_t p = pt * 16 + c, at = ((int64_t)prefix[p / bs] * bs + p % bs) * KVH * D + h * D;
-                const uint32_t *kp = (const uint32_t *)(k_cache + at);        /* the position's dim pairs */
-                uint32_t *kt = (uint32_t *)(kb + (h * DC * PT + pt) * 512) + c;
-                for (int64_t dp = 0; dp < D / 2; dp++) kt[(dp / 16) * PT * 256 + (dp % 16) * 16] = kp[dp];
-                const uint16_t *vp = v_cache + at;                           /* the position's dims */
-                uint16_t *vt = vb + ((h * (PP / 32) + p / 32) * (D / 16)) * 512 + ((p % 32) / 2) * 32 + (p & 1);
-                for (int64_t d = 0; d < D; d++) vt[(d / 16) * 512 + (d % 16) * 2] = vp[d];
+        for (int64_t pt = 0; pt < PT; pt++) {        /* positions pt * 16 .. + 15 (padding stays 0) */
+            const int64_t p0 = pt * 16;
+            if (p0 >= P) continue;
+            if (bs % 16 == 0) {
+                const uint32_t *kp = (const uint32_t *)(k_cache + ((int64_t)prefix[p0 / bs] * bs + p0 % bs) * KVH * D + h * D);
+                for (int64_t dp = 0; dp < D / 2; dp++)
+                    _mm512_storeu_si512(kb + ((h * DC + dp / 16) * PT + pt) * 512 + (dp % 16) * 32,
+                                        _mm512_i32gather_epi32(_mm512_add_epi32(position_step, _mm512_set1_epi32((int)dp)),
+                                                               (const void *)kp, 4));
+            } else {
+                for (int64_t c = 0; c < 16 && p0 + c < P; c++) {
+                    const int64_t p = p0 + c;
+                    const uint32_t *kp = (const uint32_t *)(k_cache + ((int64_t)prefix[p / bs] * bs + p % bs) * KVH * D + h * D);
+                    uint32_t *kt = (uint32_t *)(kb + (h * DC * PT + pt) * 512) + c;
+                    for (int64_t dp = 0; dp < D / 2; dp++) kt[(dp / 16) * PT * 256 + (dp % 16) * 16] = kp[dp];
+                }
             }
+            /* V: a tile row is two positions' values interleaved, 16 dims */
+            for (int64_t p = p0; p < p0 + 16 && p < P; p += 2) {
+                const uint16_t *va = v_cache + ((int64_t)prefix[p / bs] * bs + p % bs) * KVH * D + h * D;
+                const uint16_t *vn = p + 1 < P ? v_cache + ((int64_t)prefix[(p + 1) / bs] * bs + (p + 1) % bs) * KVH * D + h * D : 0;
+                uint16_t *vt = vb + ((h * (PP / 32) + p / 32) * (D / 16)) * 512 + ((p % 32) / 2) * 32;
+                for (int64_t d = 0; d < D; d += 16) {
+                    const __m512i even = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(va + d)));
+                    const __m512i odd = vn ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vn + d))), 16)
+                                           : _mm512_setzero_si512();
+                    _mm512_storeu_si512(vt + (d / 16) * 512, _mm512_or_si512(even, odd));
+                }
+            }
+        }
     #pragma omp parallel
     {
         struct tilecfg cfg;
