@@ -76,10 +76,11 @@ class CpuKernelMetadata(StepMetadata):
 
 
 # Below these the row-by-row kernel, which reads a shared prefix from cache, is as fast (a 2-core
-# AMX Xeon, ad hoc, row-by-row / prefix + after it, 60-180 own positions a row: 208 prefix positions
-# at 8 rows 0.90-0.93x, 16 rows 1.26-1.37x, 32 rows 1.40-1.94x; 128 positions at 16 rows 1.12x, 96
-# at 64 rows 1.02x, 64 at 256 rows 1.09x)
-PREFIX_MIN_ROWS = 16
+# AMX Xeon, 2026-11-26, ad hoc: 64 rows x 208 prefix positions 1.10x, 256 x 64 1.00x, 32 x 208
+# 0.94x; on another, 2026-12-01, with the rounded prefix: 128 positions at 16 rows 1.12x, 96 at 64
+# rows 1.02x, 64 at 256 rows 1.09x ad hoc, but in the engine's 32-row steps no faster: the kernels
+# README, "A 2-core Intel Xeon with AMX again")
+PREFIX_MIN_ROWS = 48
 PREFIX_MIN_POSITIONS = 128
 # A prefill chunk of fewer rows than this stays on the paged kernel: a tile of 16 lanes with few
 # rows in it, and the chunk's V interleaved for them alone, cost more than the rows one by one (the
