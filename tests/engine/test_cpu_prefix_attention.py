@@ -52,7 +52,8 @@ def prefix_reference(q, k_cache, v_cache, blocks, scale, bf16_products: bool = F
         return torch.einsum("nhp,phd->nhd", torch.softmax(scores, -1), values), torch.logsumexp(scores, -1)
     scores = torch.einsum("nhd,phd->nhp", (q * scale).bfloat16().double(), keys)
     weights = torch.exp(scores - scores.max(-1, keepdim=True).values)
-    ties.append(bf16_ties(weights))
+    if ties is not None:
+        ties.append(bf16_ties(weights))
     out = torch.einsum("nhp,phd->nhd", weights.float().bfloat16().double(), values) / weights.sum(-1, keepdim=True)
     return out, torch.logsumexp(scores, -1)
 

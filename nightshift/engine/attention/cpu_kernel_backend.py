@@ -27,8 +27,9 @@ against 8.82 s (2.53 s on the tiles, 6.29 s for the positions after the prefix);
 bench.engine --skip-hf` with and without it, alternating: 1,532.1 / 1,516.6 and 1,531.6 / 1,514.3
 output tok/s (+1%). Its products round as the paged kernel's bfloat16 products do (the scaled
 query and the probabilities to bfloat16; since 2026-12-01: three bfloat16 parts each, float32's
-products, had taken 1.6x the time), and a row's bits then depend on whether its step shares the prefix (as the bf16 GEMMs on AMX already depend on the
-step's row count). NIGHTSHIFT_CPU_PREFIX_ATTENTION=0 turns it off.
+products, had taken 1.6x the time), and a row's bits then depend on whether its step shares the
+prefix (as the bf16 GEMMs on AMX already depend on the step's row count).
+NIGHTSHIFT_CPU_PREFIX_ATTENTION=0 turns it off.
 
 Prefill chunks as tiles: over a bfloat16 pool on a CPU with AVX-512 BF16, or a float32 pool on one
 with AVX-512 (and without the AMX prefix path above for the step; sliding windows included,
