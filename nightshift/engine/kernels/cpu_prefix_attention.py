@@ -58,6 +58,11 @@ struct tilecfg { uint8_t palette; uint8_t start_row; uint8_t reserved[14]; uint1
 /* 16 floats rounded to bfloat16 (to nearest even), stored */
 static inline void round16(__m512 x, uint16_t *to) { _mm256_storeu_si256((__m256i *)to, (__m256i)_mm512_cvtneps_pbh(x)); }
 
+/* the pool element where prefix position p's vector `at` (a KV head's offset) starts; row = KVH * D */
+static inline int64_t slot(const int32_t *prefix, int64_t p, int64_t bs, int64_t row, int64_t at) {
+    return ((int64_t)prefix[p / bs] * bs + p % bs) * row + at;
+}
+
 /* q, out [n, KVH * GQ, D] float32; lse [n, KVH * GQ]; k_cache, v_cache [blocks, bs, KVH, D]
    bfloat16; prefix [nb] block ids: positions 0 .. P-1 (P = nb * bs) of every row. Per KV head the
    query vectors are its rows x GQ heads in order, 16 to a tile; P is padded to a multiple of 32
@@ -81,7 +86,7 @@ void prefix_attention(const float *q, const uint16_t *k_cache, const uint16_t *v
             const int64_t p0 = pt * 16;
             if (p0 >= P) continue;
             if (bs % 16 == 0) {
-                const uint32_t *kp = (const uint32_t *)(k_cache + ((int64_t)prefix[p0 / bs] * bs + p0 % bs) * KVH * D + h * D);
+                const uint32_t *kp = (const uint32_t *)(k_cache + slot(prefix, p0, bs, KVH * D, h * D));
                 for (int64_t dp = 0; dp < D / 2; dp++)
                     _mm512_storeu_si512(kb + ((h * DC + dp / 16) * PT + pt) * 512 + (dp % 16) * 32,
                                         _mm512_i32gather_epi32(_mm512_add_epi32(position_step, _mm512_set1_epi32((int)dp)),
@@ -89,15 +94,15 @@ void prefix_attention(const float *q, const uint16_t *k_cache, const uint16_t *v
             } else {
                 for (int64_t c = 0; c < 16 && p0 + c < P; c++) {
                     const int64_t p = p0 + c;
-                    const uint32_t *kp = (const uint32_t *)(k_cache + ((int64_t)prefix[p / bs] * bs + p % bs) * KVH * D + h * D);
+                    const uint32_t *kp = (const uint32_t *)(k_cache + slot(prefix, p, bs, KVH * D, h * D));
                     uint32_t *kt = (uint32_t *)(kb + (h * DC * PT + pt) * 512) + c;
                     for (int64_t dp = 0; dp < D / 2; dp++) kt[(dp / 16) * PT * 256 + (dp % 16) * 16] = kp[dp];
                 }
             }
             /* V: a tile row is two positions' values interleaved, 16 dims */
             for (int64_t p = p0; p < p0 + 16 && p < P; p += 2) {
-                const uint16_t *va = v_cache + ((int64_t)prefix[p / bs] * bs + p % bs) * KVH * D + h * D;
-                const uint16_t *vn = p + 1 < P ? v_cache + ((int64_t)prefix[(p + 1) / bs] * bs + (p + 1) % bs) * KVH * D + h * D : 0;
+                const uint16_t *va = v_cache + slot(prefix, p, bs, KVH * D, h * D);
+                const uint16_t *vn = p + 1 < P ? v_cache + slot(prefix, p + 1, bs, KVH * D, h * D) : 0;
                 uint16_t *vt = vb + ((h * (PP / 32) + p / 32) * (D / 16)) * 512 + ((p % 32) / 2) * 32;
                 for (int64_t d = 0; d < D; d += 16) {
                     const __m512i even = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(va + d)));
